@@ -1,0 +1,275 @@
+"""Data pipeline: JSONL documents -> one token stream -> fixed-length samples -> batches.
+
+The pipeline is deliberately simple and fully deterministic, so that runs are reproducible and
+resumable bit for bit:
+
+1. :func:`load_jsonl_texts` reads the text field of every line of a JSONL file.
+2. :func:`tokenize_documents` encodes them into one 1-D stream, each document framed
+   Llama-style as ``<|begin_of_text|> tokens <|end_of_text|>``.
+3. :class:`PackedDataset` cuts the stream into non-overlapping samples of ``seq_len + 1``
+   tokens (inputs, and targets shifted by one); documents run across sample boundaries.
+4. :class:`StatefulBatchLoader` draws training batches from a per-epoch permutation, split
+   across data-parallel ranks and gradient-accumulation microbatches, with a world-size
+   independent ``state_dict``; :func:`iter_eval_batches` does the same, unshuffled, for
+   validation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from plugtrain.tokenizer import Tokenizer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+"""(inputs, targets), both int64 of shape [batch, seq_len]; targets are inputs shifted by one."""
+
+
+def load_jsonl_texts(
+    path: str | os.PathLike[str], field: str = "text", *, key: str = "data.train_path"
+) -> list[str]:
+    """Return the string ``field`` of every non-blank line of the JSONL file at ``path``.
+
+    ``key`` is the config key the path came from; error messages name it as the fix. Raises
+    FileNotFoundError for a missing file and ValueError (naming the line) for a line that is
+    not a JSON object holding a string ``field``, or for a file without any document.
+    """
+    path = Path(path)
+    where = f"data file '{path}'"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{where} not found: set {key} to a JSONL file with one {{{field!r}: ...}} per line"
+        )
+    texts = []
+    # NOTE: binary mode, so that a UTF-8 error is reported with its line number by json.loads.
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing one) carry no document
+            try:
+                record = json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise ValueError(f"{where} line {lineno} is not valid JSON: {e}") from e
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise ValueError(
+                    f"{where} line {lineno} is not a JSON object with a string field {field!r}: "
+                    f"fix that line or set data.text_field"
+                )
+            texts.append(record[field])
+    if not texts:
+        raise ValueError(f"{where} holds no documents: set {key} to a non-empty JSONL file")
+    return texts
+
+
+def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
+    """Encode ``texts`` into one 1-D int32 stream of ``[bos] tokens [eos]`` per document.
+
+    ``bos`` is left out when the tokenizer has no ``<|begin_of_text|>``. NOTE: int32 halves
+    the memory of int64 and holds any real vocabulary; :class:`PackedDataset` widens each
+    sample to the int64 that embedding lookups and cross-entropy take.
+    """
+    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    stream: list[int] = []
+    for ids in tokenizer.encode_batch(texts):
+        stream += head
+        stream += ids
+        stream.append(tokenizer.eos_id)
+    return torch.tensor(stream, dtype=torch.int32)
+
+
+class PackedDataset:
+    """Non-overlapping samples of ``seq_len + 1`` consecutive tokens of a stream.
+
+    Sample ``i`` covers ``stream[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]``; its inputs are
+    the first ``seq_len`` tokens and its targets the last ``seq_len``. The tail of the stream
+    shorter than one sample is dropped.
+    """
+
+    def __init__(self, stream: torch.Tensor, seq_len: int) -> None:
+        if stream.dim() != 1:
+            raise ValueError(f"token stream must be 1-D, got shape {tuple(stream.shape)}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be at least 1, got {seq_len}: fix training.seq_len")
+        if stream.numel() < seq_len + 1:
+            raise ValueError(
+                f"token stream has {stream.numel()} tokens, fewer than the {seq_len + 1} "
+                f"needed for one sample of seq_len={seq_len}: use more data or a smaller "
+                f"training.seq_len"
+            )
+        self.seq_len = seq_len
+        num_samples = stream.numel() // (seq_len + 1)
+        self._samples = stream[: num_samples * (seq_len + 1)].view(num_samples, seq_len + 1)
+
+    def __len__(self) -> int:
+        return self._samples.shape[0]
+
+    def __getitem__(self, index: int) -> Batch:
+        """(inputs, targets) of sample ``index``, int64 tensors of shape [seq_len]."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        sample = self._samples[index].long()
+        return sample[:-1], sample[1:]
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """Stack the samples at ``indices`` into (inputs, targets) of shape [len, seq_len]."""
+        samples = self._samples[torch.as_tensor(indices, dtype=torch.long)].long()
+        return samples[:, :-1], samples[:, 1:]
+
+
+def build_dataset(
+    path: str | os.PathLike[str], key: str, tokenizer: Tokenizer, field: str, seq_len: int
+) -> PackedDataset:
+    """Load, tokenize and pack the JSONL file at ``path`` (config key ``key``) in one call."""
+    return PackedDataset(
+        tokenize_documents(load_jsonl_texts(path, field, key=key), tokenizer), seq_len
+    )
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+
+
+class StatefulBatchLoader:
+    """Deterministic, resumable, data-parallel sampler of training batches.
+
+    Each optimizer step consumes the next ``global_batch_size`` indices of the current epoch's
+    order (a permutation seeded with ``seed + epoch``, or the identity without shuffling); an
+    epoch's remainder shorter than a global batch is skipped. The global batch is cut into
+    ``world_size`` contiguous rank slices, each cut into ``grad_accum_steps`` contiguous
+    microbatches, so the union over ranks and microbatches is the same set of samples for any
+    ``world_size`` and ``grad_accum_steps``. The state (epoch, samples consumed in it) is the
+    same on every rank and independent of the world size, so a run may resume on a different
+    number of ranks and continue the same global sample sequence.
+    """
+
+    def __init__(
+        self,
+        dataset: PackedDataset,
+        *,
+        global_batch_size: int,
+        grad_accum_steps: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        _check_rank(rank, world_size)
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be at least 1, got {grad_accum_steps}")
+        parts = world_size * grad_accum_steps
+        if global_batch_size < 1 or global_batch_size % parts:
+            raise ValueError(
+                f"training.batch_size={global_batch_size} is not a positive multiple of "
+                f"world_size * grad_accum_steps = {world_size} * {grad_accum_steps} = {parts}: "
+                f"set training.batch_size to a multiple of {parts} or change grad_accum_steps"
+            )
+        if global_batch_size > len(dataset):
+            raise ValueError(
+                f"training.batch_size={global_batch_size} exceeds the {len(dataset)} training "
+                f"samples of seq_len={dataset.seq_len}: lower training.batch_size or "
+                f"training.seq_len, or add data"
+            )
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.grad_accum_steps = grad_accum_steps
+        self.micro_batch_size = global_batch_size // parts
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self._epoch = 0
+        self._position = 0  # samples of the epoch's order already consumed
+        self._order_epoch = -1  # epoch whose order ``_order`` holds
+        self._order = torch.empty(0, dtype=torch.long)
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self._order_epoch != self._epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + self._epoch)
+                self._order = torch.randperm(n, generator=generator)
+            else:
+                self._order = torch.arange(n)
+            self._order_epoch = self._epoch
+        return self._order
+
+    def next_batch(self) -> list[Batch]:
+        """This rank's ``grad_accum_steps`` microbatches of the next optimizer step."""
+        if self._position + self.global_batch_size > len(self.dataset):
+            self._epoch += 1
+            self._position = 0
+        per_rank = self.global_batch_size // self.world_size
+        start = self._position + self.rank * per_rank
+        indices = self._epoch_order()[start : start + per_rank]
+        self._position += self.global_batch_size
+        mbs = self.micro_batch_size
+        return [
+            self.dataset.collate(indices[m * mbs : (m + 1) * mbs])
+            for m in range(self.grad_accum_steps)
+        ]
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the global sample sequence stands; identical on every rank."""
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resume from :meth:`state_dict` (possibly saved with another world size)."""
+        if set(state_dict) != {"epoch", "position"}:
+            raise ValueError(
+                f"data loader state has keys {sorted(state_dict)}, expected ['epoch', "
+                f"'position']: the checkpoint was not written by StatefulBatchLoader"
+            )
+        epoch, position = state_dict["epoch"], state_dict["position"]
+        if not (isinstance(epoch, int) and isinstance(position, int)):
+            raise ValueError(f"data loader state {state_dict} must hold two ints")
+        if epoch < 0 or not 0 <= position <= len(self.dataset):
+            raise ValueError(
+                f"data loader state {state_dict} is out of range for a dataset of "
+                f"{len(self.dataset)} samples: the checkpoint belongs to other data or seq_len"
+            )
+        self._epoch, self._position = epoch, position
+
+
+def iter_eval_batches(
+    dataset: PackedDataset,
+    *,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    max_batches: int | None = None,
+) -> Iterator[Batch]:
+    """This rank's share of the validation batches, in dataset order (no shuffling).
+
+    ``batch_size`` is global (over all ranks, like ``training.batch_size``), so the samples
+    evaluated do not depend on the world size. Batch ``b`` covers samples ``[b * batch_size,
+    (b + 1) * batch_size)``; rank ``r`` gets the ``r``-th contiguous ``batch_size //
+    world_size`` of them, in one forward pass. Every rank yields the same number of batches,
+    as sharded forward passes require: the remainder shorter than one batch is dropped, and at
+    most ``max_batches`` are yielded. Raises ValueError (right away, not on first iteration)
+    when that leaves no batch at all.
+    """
+    _check_rank(rank, world_size)
+    if batch_size < 1 or batch_size % world_size:
+        raise ValueError(
+            f"eval batch size {batch_size} is not a positive multiple of "
+            f"world_size={world_size}: set training.batch_size to a multiple of {world_size}"
+        )
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be at least 1 or None, got {max_batches}")
+    num_batches = len(dataset) // batch_size
+    if num_batches == 0:
+        raise ValueError(
+            f"validation set has {len(dataset)} samples of seq_len={dataset.seq_len}, fewer "
+            f"than one eval batch of {batch_size}: lower training.batch_size or training.seq_len, "
+            f"or use a larger validation set"
+        )
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+    per_rank = batch_size // world_size
+    starts = (b * batch_size + rank * per_rank for b in range(num_batches))
+    return (dataset.collate(range(start, start + per_rank)) for start in starts)
