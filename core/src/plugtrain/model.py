@@ -1,0 +1,464 @@
+"""A Llama-style decoder-only transformer: the model every plugtrain run trains.
+
+The architecture is Llama 3's: pre-norm RMSNorm blocks, rotary position embeddings (RoPE),
+grouped-query attention through ``F.scaled_dot_product_attention``, a SwiGLU feed-forward
+network and an untied output projection. Parameter names follow Meta's reference code and
+torchtitan (``tok_embeddings``, ``layers.N.attention.wq``, ``feed_forward.w1``, ...).
+
+The trainer builds the model on the meta device, applies FSDP2 ``fully_shard`` to every
+``TransformerBlock`` in ``Transformer.layers`` and to the root, materialises the shards with
+``to_empty`` and then calls ``Transformer.init_weights(seed)``. That method gives bit-identical
+full parameters whatever the sharding, so a 1-process and an N-process run start from the
+same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+__all__ = [
+    "FLAVORS",
+    "ModelArgs",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rotary_emb",
+    "precompute_freqs_cis",
+]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape hyper-parameters of a Llama-style transformer.
+
+    Frozen so that the shared ``FLAVORS`` entries cannot be modified by accident; derive a
+    variant with ``dataclasses.replace(args, vocab_size=...)``.
+    """
+
+    dim: int
+    """Width of the residual stream (the embedding size)."""
+    n_layers: int
+    """Number of transformer blocks."""
+    n_heads: int
+    """Number of query heads; ``dim`` must be divisible by it (head_dim = dim // n_heads)."""
+    n_kv_heads: int
+    """Number of key/value heads (grouped-query attention); must divide ``n_heads``.
+    Equal to ``n_heads`` gives plain multi-head attention, 1 gives multi-query attention."""
+    vocab_size: int
+    """Rows of the embedding and of the output projection; the trainer overrides it with the
+    tokenizer's vocabulary size."""
+    multiple_of: int = 256
+    """The SwiGLU hidden size is rounded up to a multiple of this (hardware-friendly shapes)."""
+    ffn_dim_multiplier: float | None = None
+    """Optional factor applied to the SwiGLU hidden size before rounding (Llama 3 8B: 1.3)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the RoPE frequencies (Llama 3: 500000)."""
+    max_seq_len: int = 2048
+    """Longest sequence the model accepts; the RoPE table is precomputed for this length."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "vocab_size",
+            "multiple_of",
+            "max_seq_len",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelArgs.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"ModelArgs.dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                "choose n_heads that divides dim"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelArgs.n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.n_kv_heads}; choose n_kv_heads that divides n_heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = dim // n_heads = {self.head_dim} is odd, but RoPE rotates pairs "
+                "of channels; choose dim and n_heads so that head_dim is even"
+            )
+        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
+            raise ValueError(
+                f"ModelArgs.ffn_dim_multiplier must be > 0 or None, got {self.ffn_dim_multiplier}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """Hidden size of the SwiGLU feed-forward network, by Llama's rule.
+
+        Two thirds of 4*dim (so SwiGLU's three matrices cost about what a 4*dim two-matrix MLP
+        costs), times ``ffn_dim_multiplier`` if set, rounded up to a multiple of
+        ``multiple_of``.
+        """
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Number of parameters of ``Transformer(self)``, computed from the shape alone.
+
+        ``exclude_embedding`` leaves out the token embedding table (a lookup, no matmul), which
+        is the count that FLOP estimates use. The untied output projection is always counted.
+        """
+        d, hd = self.dim, self.head_dim
+        attention = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2  # wq, wo, wk, wv
+        feed_forward = 3 * d * self.ffn_hidden_dim  # w1, w2, w3
+        per_layer = attention + feed_forward + 2 * d  # + attention_norm, ffn_norm
+        embedding = self.vocab_size * d
+        total = self.n_layers * per_layer + d + self.vocab_size * d  # + norm, output
+        return total if exclude_embedding else total + embedding
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
+
+        The usual estimate (PaLM appendix B, torchtitan): 6 FLOPs per non-embedding parameter
+        per token for the matmuls (2 forward, 4 backward), plus 12 * n_layers * n_heads *
+        head_dim * seq_len for the attention score and value matmuls. Causal masking is not
+        discounted, matching how MFU is usually reported. Elementwise ops are not counted.
+        """
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * self.num_params(exclude_embedding=True) + attention
+
+
+_LLAMA3_VOCAB = 128256
+
+FLAVORS: dict[str, ModelArgs] = {
+    # Unit tests: a forward/backward takes milliseconds.
+    "tiny": ModelArgs(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        multiple_of=16,
+        max_seq_len=64,
+    ),
+    # CPU default of `python train.py`: 3.5M parameters besides the embedding (vocab 2048).
+    # Measured on 2 CPU cores, fp32, batch 8 x 128 tokens: forward+backward 0.17 s, with AdamW
+    # 0.18 s a step, so 100 steps take about 20 s, a third of the one-minute budget, which
+    # leaves room for evaluation and for a 2-process FSDP run on the same cores.
+    "debug": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=2048,
+        multiple_of=64,
+        max_seq_len=512,
+    ),
+    # Llama 3.2 1B and 3B shapes (Meta's params.json), but with an untied output projection
+    # and without the RoPE frequency scaling (`use_scaled_rope`) of the released checkpoints:
+    # plugtrain trains from scratch at max_seq_len.
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=_LLAMA3_VOCAB,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+    "3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=_LLAMA3_VOCAB,
+        multiple_of=256,
+        ffn_dim_multiplier=1.0,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+    # Llama 3 8B.
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=_LLAMA3_VOCAB,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+}
+
+
+def precompute_freqs_cis(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """RoPE rotations ``exp(i * pos * theta^(-2k/head_dim))``, complex64 [max_seq_len, head_dim/2].
+
+    Computed in float64 on the CPU, so every device and every process gets the same table.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2k, 2k+1) of ``x`` [B, S, heads, head_dim] by ``freqs_cis``.
+
+    ``freqs_cis`` is [S, head_dim/2] (a slice of ``precompute_freqs_cis``).
+
+    Meta's convention (adjacent pairs, not the rotate-half layout of Hugging Face). The rotation
+    runs in float32 whatever the activation dtype, then casts back.
+    """
+    x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    rotated = torch.view_as_real(x_c * freqs_cis[None, :, None, :]).flatten(-2)
+    return rotated.type_as(x)
+
+
+Fill = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
+"""Fills a float32 CPU tensor in place from a generator and returns it (see init_weights)."""
+
+
+def init_ones(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill with ones (norm scales); draws nothing."""
+    return t.fill_(1.0)
+
+
+def init_normal(std: float) -> Fill:
+    """Fill with N(0, std^2)."""
+    return lambda t, generator: t.normal_(0.0, std, generator=generator)
+
+
+def init_trunc_normal(std: float) -> Fill:
+    """Fill with N(0, std^2) truncated at +-3 std (drawn from the truncated law, not clipped)."""
+    return lambda t, generator: nn.init.trunc_normal_(
+        t, 0.0, std, -3 * std, 3 * std, generator=generator
+    )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned per-channel scale.
+
+    NOTE: normalises in float32 and casts back before the scale, as Meta's Llama does, so that
+    bf16/fp16 activations (FSDP2 mixed precision) do not lose precision in the mean of squares.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
+        return normed * self.weight
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE and grouped-query attention, without biases."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        q = apply_rotary_emb(q, freqs_cis)
+        k = apply_rotary_emb(k, freqs_cis)
+        # SDPA wants [B, heads, S, head_dim]; enable_gqa lets each group of
+        # n_heads // n_kv_heads query heads share one key/value head without materialising
+        # repeated copies.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """One pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``.
+
+    The unit the trainer shards with FSDP2 ``fully_shard``.
+    """
+
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:
+        """(parameter, how to fill it) for every parameter of the block, in a fixed order.
+
+        NOTE: the projections that write into the residual stream (wo, w2) get a std that
+        shrinks with depth, 0.02 / sqrt(2 * (layer_id + 1)) (torchtitan's depth_init), so the
+        residual stream's variance does not grow with the number of layers at init.
+        """
+        out_std = 0.02 / math.sqrt(2 * (self.layer_id + 1))
+        attn, ffn = self.attention, self.feed_forward
+        return [
+            (self.attention_norm.weight, init_ones),
+            (attn.wq.weight, init_trunc_normal(0.02)),
+            (attn.wk.weight, init_trunc_normal(0.02)),
+            (attn.wv.weight, init_trunc_normal(0.02)),
+            (attn.wo.weight, init_trunc_normal(out_std)),
+            (self.ffn_norm.weight, init_ones),
+            (ffn.w1.weight, init_trunc_normal(0.02)),
+            (ffn.w3.weight, init_trunc_normal(0.02)),
+            (ffn.w2.weight, init_trunc_normal(out_std)),
+        ]
+
+
+class Transformer(nn.Module):
+    """Llama-style decoder: token embedding, ``n_layers`` blocks, final RMSNorm, output head.
+
+    ``forward(tokens [B, S]) -> logits [B, S, vocab_size]`` in the activation dtype (the
+    parameter dtype, or FSDP2's ``param_dtype``); compute the loss in float32.
+
+    Build on any device (including meta) and then call ``init_weights(seed)``; the constructor's
+    own initialisation is PyTorch's default and is not meant to be trained from.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # NOTE: non-persistent (not in state_dict, hence not in checkpoints) because it is a
+        # pure function of args; init_weights recomputes it after to_empty. It is complex so
+        # that FSDP2's MixedPrecisionPolicy, which casts floating-point forward inputs of every
+        # sharded block to param_dtype, leaves it in full precision.
+        self.register_buffer(
+            "freqs_cis",
+            precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta),
+            persistent=False,
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq_len = tokens.shape[1]
+        if seq_len > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's max_seq_len "
+                f"{self.args.max_seq_len}; shorten the sequences or raise ModelArgs.max_seq_len"
+            )
+        if not self.freqs_cis.is_complex():
+            raise RuntimeError(
+                f"the RoPE buffer freqs_cis was cast to {self.freqs_cis.dtype} (Module.to(dtype) "
+                "casts complex buffers to real); call init_weights again or use FSDP2's "
+                "MixedPrecisionPolicy instead of Module.to(dtype)"
+            )
+        freqs_cis = self.freqs_cis[:seq_len]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h))
+
+    def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:
+        """(parameter, how to fill it) for every parameter, in a fixed, sharding-free order.
+
+        The embedding is N(0, 1) (Llama/torchtitan); the output projection gets std dim**-0.5
+        so that the initial logits have about unit scale and the initial loss is near
+        log(vocab_size).
+        """
+        plan: list[tuple[nn.Parameter, Fill]] = [(self.tok_embeddings.weight, init_normal(1.0))]
+        for layer in self.layers:
+            plan.extend(layer.init_plan())
+        plan.append((self.norm.weight, init_ones))
+        plan.append((self.output.weight, init_trunc_normal(self.args.dim**-0.5)))
+        return plan
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter and rebuild the RoPE buffer, deterministically from ``seed``.
+
+        Gives bit-identical full parameters whether they are plain tensors or FSDP2-sharded
+        DTensors (any mesh, any world size), and whether the model was built on the CPU or on
+        the meta device and then ``to_empty``'d. See ``init_plan`` for the distributions.
+
+        NOTE: each parameter's FULL tensor is drawn on the CPU from its own ``torch.Generator``
+        (seeded from ``seed`` and the parameter's position in ``init_plan``), then every rank
+        keeps its shard. Calling ``nn.init`` on the DTensors directly would not do: DTensor
+        random ops on the CPU draw each shard from the local generator, so the full weights
+        would depend on the world size, and a 1-process run and an N-process run would start
+        from different weights. The cost is that every rank draws every full tensor once.
+        """
+        plan = self.init_plan()
+        planned = {id(param) for param, _ in plan}
+        missing = [name for name, p in self.named_parameters() if id(p) not in planned]
+        if missing or len(planned) != len(plan):
+            raise RuntimeError(f"init_plan does not cover each parameter exactly once: {missing}")
+        for index, (param, fill) in enumerate(plan):
+            if param.is_meta:
+                raise RuntimeError(
+                    "init_weights called on meta parameters; materialise them first with "
+                    "model.to_empty(device=...)"
+                )
+            generator = torch.Generator().manual_seed(_param_seed(seed, index))
+            full = fill(torch.empty(param.shape, dtype=torch.float32), generator)
+            if isinstance(param, DTensor):
+                shard = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                )
+                param.to_local().copy_(shard.to_local())
+            else:
+                param.copy_(full)
+        self.freqs_cis = precompute_freqs_cis(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta
+        ).to(self.freqs_cis.device)
+
+
+def _param_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed for parameter ``index`` of run ``seed``.
+
+    Hashed rather than ``seed + index`` so that seed s and seed s+1 share no tensor streams.
+    """
+    digest = hashlib.sha256(f"plugtrain-init:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
