@@ -155,9 +155,9 @@ FLAVORS: dict[str, ModelArgs] = {
         max_seq_len=64,
     ),
     # CPU default of `python train.py`: 3.5M parameters besides the embedding (vocab 2048).
-    # Measured on 2 CPU cores, fp32, batch 8 x 128 tokens: forward+backward 0.17 s, with AdamW
-    # 0.18 s a step, so 100 steps take about 20 s, a third of the one-minute budget, which
-    # leaves room for evaluation and for a 2-process FSDP run on the same cores.
+    # Measured on 2 idle CPU cores, fp32, batch 8 x 128 tokens: forward+backward 0.16 s a step;
+    # 100 steps with AdamW take 17 s in 1 process and 25 s in 2 FSDP2 processes (gloo), which
+    # leaves room in the one-minute budget for evaluation and logging.
     "debug": ModelArgs(
         dim=256,
         n_layers=4,
