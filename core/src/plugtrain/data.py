@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from plugtrain.errors import DataError, MissingFileError
 from plugtrain.tokenizer import Tokenizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -41,7 +42,7 @@ def load_jsonl_texts(
     path = Path(path)
     where = f"data file '{path}'"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{where} not found: set {key} to a JSONL file with one {{{field!r}: ...}} per line"
         )
     texts = []
@@ -53,15 +54,15 @@ def load_jsonl_texts(
             try:
                 record = json.loads(line)
             except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                raise ValueError(f"{where} line {lineno} is not valid JSON: {e}") from e
+                raise DataError(f"{where} line {lineno} is not valid JSON: {e}") from e
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise ValueError(
+                raise DataError(
                     f"{where} line {lineno} is not a JSON object with a string field {field!r}: "
                     f"fix that line or set data.text_field"
                 )
             texts.append(record[field])
     if not texts:
-        raise ValueError(f"{where} holds no documents: set {key} to a non-empty JSONL file")
+        raise DataError(f"{where} holds no documents: set {key} to a non-empty JSONL file")
     return texts
 
 
@@ -95,7 +96,7 @@ class PackedDataset:
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}: fix training.seq_len")
         if stream.numel() < seq_len + 1:
-            raise ValueError(
+            raise DataError(
                 f"token stream has {stream.numel()} tokens, fewer than the {seq_len + 1} "
                 f"needed for one sample of seq_len={seq_len}: use more data or a smaller "
                 f"training.seq_len"
@@ -163,13 +164,13 @@ class StatefulBatchLoader:
             raise ValueError(f"grad_accum_steps must be at least 1, got {grad_accum_steps}")
         parts = world_size * grad_accum_steps
         if global_batch_size < 1 or global_batch_size % parts:
-            raise ValueError(
+            raise DataError(
                 f"training.batch_size={global_batch_size} is not a positive multiple of "
                 f"world_size * grad_accum_steps = {world_size} * {grad_accum_steps} = {parts}: "
                 f"set training.batch_size to a multiple of {parts} or change grad_accum_steps"
             )
         if global_batch_size > len(dataset):
-            raise ValueError(
+            raise DataError(
                 f"training.batch_size={global_batch_size} exceeds the {len(dataset)} training "
                 f"samples of seq_len={dataset.seq_len}: lower training.batch_size or "
                 f"training.seq_len, or add data"

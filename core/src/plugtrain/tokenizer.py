@@ -14,6 +14,8 @@ from pathlib import Path
 
 import tokenizers
 
+from plugtrain.errors import DataError, MissingFileError
+
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 
@@ -32,7 +34,7 @@ class Tokenizer:
         self._tokenizer = tokenizer
         eos_id = tokenizer.token_to_id(EOS_TOKEN)
         if eos_id is None:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer {source!r} has no {EOS_TOKEN!r} token, which marks document ends: "
                 f"{_FIX}, or add that special token when training it"
             )
@@ -44,11 +46,11 @@ class Tokenizer:
         """Load a tokenizer.json; raise FileNotFoundError or ValueError naming the path."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file '{path}' not found: {_FIX}")
+            raise MissingFileError(f"tokenizer file '{path}' not found: {_FIX}")
         try:
             tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception for any parse error
-            raise ValueError(
+            raise DataError(
                 f"tokenizer file '{path}' is not a valid tokenizer.json ({e}): {_FIX}"
             ) from e
         return cls(tokenizer, source=str(path))

@@ -1,0 +1,47 @@
+"""The ``plugtrain`` command: ``plugtrain plugins [--config FILE] [--plugins.enabled ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from plugtrain.config import enabled_plugins, merged_values, parse_command_line
+from plugtrain.launch import run_cli
+from plugtrain.manager import PluginHost, installed_plugins
+
+
+def list_plugins(config_args: list[str]) -> int:
+    """Print every installed plugin: enabled or not, distribution, version, hooks.
+
+    Only enabled plugins are imported (to list their hooks); the others are described from
+    their distribution's metadata alone.
+    """
+    enabled = enabled_plugins(merged_values(parse_command_line(config_args)))
+    installed = installed_plugins()
+    host = PluginHost()
+    host.load_enabled(enabled)
+    rows = [("plugin", "enabled", "distribution", "version", "hooks")]
+    for name, plugin in sorted(installed.items()):
+        on = name in enabled
+        hooks = ", ".join(host.hooks_of(name)) if on else f"(not loaded: {plugin.value})"
+        rows.append((name, "yes" if on else "no", plugin.distribution, plugin.version, hooks))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="plugtrain", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "plugins",
+        help="list installed plugins and the hooks they implement",
+        description="Takes --config FILE and --plugins.enabled NAMES, as train.py does.",
+    )
+    _, config_args = parser.parse_known_args(argv)
+    return run_cli(lambda: list_plugins(config_args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

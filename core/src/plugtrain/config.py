@@ -1,0 +1,439 @@
+"""The run's config: nested dataclasses, filled from a TOML file and command-line overrides.
+
+Every field has a default, so ``python train.py`` runs with none given. A TOML file
+(``--config configs/debug.toml``) sets any field by section, and ``--section.key value``
+overrides any field on the command line, plugin sections included. Unknown sections and keys,
+wrong types and out-of-range values raise :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from plugtrain.errors import ConfigError, did_you_mean
+from plugtrain.plugin import check_field
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class Job:
+    dump_folder: str = "outputs/run"
+    """Folder the run writes its metrics, resolved config and checkpoints to."""
+    description: str = "plugtrain run"
+    """Free text, recorded with the run."""
+
+
+@dataclass
+class Model:
+    flavor: str = "debug"
+    """Model size, a key of ``plugtrain.model.FLAVORS`` (``tiny``, ``debug``, ``1B``, ``8B``...)."""
+    tokenizer_path: str = "data/shakespeare/tokenizer.json"
+    """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's."""
+
+    def __post_init__(self) -> None:
+        from plugtrain.model import FLAVORS
+
+        if self.flavor not in FLAVORS:
+            raise ConfigError(
+                f"config key 'model.flavor' is '{self.flavor}'{did_you_mean(self.flavor, FLAVORS)};"
+                f" choose one of {', '.join(FLAVORS)}"
+            )
+
+
+@dataclass
+class Training:
+    steps: int = 200
+    """Optimizer steps to train for."""
+    batch_size: int = 8
+    """Global batch in sequences per optimizer step, over all ranks and microbatches."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    grad_accum_steps: int = 1
+    """Microbatches accumulated per optimizer step on each rank."""
+    seed: int = 0
+    """Seeds weight init, data order and dropout-free randomness: same seed, same losses."""
+    mixed_precision_param: Dtype = "float32"
+    """FSDP2 MixedPrecisionPolicy param_dtype: the dtype of forward and backward compute."""
+    mixed_precision_reduce: Dtype = "float32"
+    """FSDP2 MixedPrecisionPolicy reduce_dtype: the dtype of the gradient reduce-scatter."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train; ``auto`` picks CUDA when available, else CPU (gloo)."""
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
+            value = getattr(self, key)
+            check_field(value >= 1, "training", key, f"must be >= 1, got {value}")
+
+
+@dataclass
+class Optimizer:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW, reached after the warmup."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to every parameter."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            0 < self.lr < math.inf, "optimizer", "lr", f"must be finite and > 0, got {self.lr}"
+        )
+        check_field(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optimizer",
+            "betas",
+            f"must be two numbers in [0, 1), got {self.betas}",
+        )
+        check_field(self.eps > 0, "optimizer", "eps", f"must be > 0, got {self.eps}")
+        check_field(
+            self.weight_decay >= 0,
+            "optimizer",
+            "weight_decay",
+            f"must be >= 0, got {self.weight_decay}",
+        )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 20
+    """Steps of linear warmup from ~0 to ``optimizer.lr``."""
+    decay_type: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay from the peak to ``min_lr_ratio * lr`` at ``training.steps``."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            self.warmup_steps >= 0,
+            "lr_scheduler",
+            "warmup_steps",
+            f"must be >= 0, got {self.warmup_steps}",
+        )
+        check_field(
+            0 <= self.min_lr_ratio <= 1,
+            "lr_scheduler",
+            "min_lr_ratio",
+            f"must be in [0, 1], got {self.min_lr_ratio}",
+        )
+
+
+@dataclass
+class Data:
+    train_path: str = "data/shakespeare/train.jsonl"
+    """JSONL file of training documents, one JSON object per line."""
+    validation_path: str = "data/shakespeare/validation.jsonl"
+    """JSONL file of held-out documents for the validation loss."""
+    text_field: str = "text"
+    """The key of each JSON object that holds the document's text."""
+    shuffle: bool = True
+    """Shuffle training samples (a new seeded permutation each epoch)."""
+
+
+@dataclass
+class Validation:
+    interval: int = 50
+    """Evaluate the validation loss every this many steps and at the end; 0 disables it."""
+    steps: int = 4
+    """Validation batches (of ``training.batch_size`` sequences) per evaluation."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            self.interval >= 0, "validation", "interval", f"must be >= 0, got {self.interval}"
+        )
+        check_field(self.steps >= 1, "validation", "steps", f"must be >= 1, got {self.steps}")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log a metrics line every this many steps (and on the first and last step)."""
+
+    def __post_init__(self) -> None:
+        check_field(self.log_freq >= 1, "metrics", "log_freq", f"must be >= 1, got {self.log_freq}")
+
+
+@dataclass
+class Plugins:
+    enabled: list[str] = field(default_factory=list)
+    """Names of the installed plugins to load, e.g. ``["grad_clip"]``; others are never imported."""
+
+
+@dataclass
+class JobConfig:
+    """The whole config: the core's sections, plus one section per enabled plugin."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
+    metrics: Metrics = field(default_factory=Metrics)
+    plugins: Plugins = field(default_factory=Plugins)
+    plugin_sections: dict[str, Any] = field(default_factory=dict)
+    """Each enabled plugin's validated config dataclass, by plugin name."""
+
+    def plugin(self, name: str) -> Any:
+        """The config section of plugin ``name``."""
+        if name not in self.plugin_sections:
+            raise KeyError(f"plugin '{name}' has no config section in this run")
+        return self.plugin_sections[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every section as plain data, plugin sections included (for the run's records)."""
+        out = {s.name: dataclasses.asdict(getattr(self, s.name)) for s in _core_sections()}
+        out.update({k: dataclasses.asdict(v) for k, v in self.plugin_sections.items()})
+        return out
+
+
+def _core_sections() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(JobConfig) if f.name != "plugin_sections"]
+
+
+# --------------------------------------------------------------------------- reading values
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert ``value`` (from TOML, or a command-line string) to type ``tp``, or raise.
+
+    Supports bool, int, float, str, ``Literal[...]``, ``X | None`` and ``list[X]``.
+    """
+    origin = typing.get_origin(tp)
+    from_cli = isinstance(value, str)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(
+                f"config key '{key}' is {value!r}{did_you_mean(str(value), map(str, choices))};"
+                f" choose one of {', '.join(map(str, choices))}"
+            )
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (from_cli and value.lower() in ("none", "null")):
+            return None
+        return coerce(value, args[0], key)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if from_cli:
+            value = _parse_cli_list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        return [coerce(v, item_tp, key) for v in value]
+    if tp is bool:
+        if from_cli and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if from_cli:
+            value = _parse_number(value, int)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if from_cli:
+            value = _parse_number(value, float)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"config key '{key}': unsupported field type {tp!r}")
+    raise ConfigError(f"config key '{key}' must be {_type_name(tp)}, got {value!r}")
+
+
+def _parse_number(text: str, tp: type) -> Any:
+    try:
+        return tp(text)
+    except ValueError:
+        return text  # reported by the caller as the wrong type
+
+
+def _parse_cli_list(text: str) -> Any:
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"cannot parse list {text!r}: {e}") from e
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def build_section(cls: type, section: str, values: dict[str, Any]) -> Any:
+    """Instantiate config dataclass ``cls`` from ``values``, checking keys and types."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown config key '{section}.{key}'{did_you_mean(key, fields)}; "
+                f"[{section}] has: {', '.join(sorted(fields))}"
+            )
+        kwargs[key] = coerce(value, hints[key], f"{section}.{key}")
+    return cls(**kwargs)
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of dataclass ``cls`` (for ``--help``)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+@dataclass
+class CommandLine:
+    """``train.py``'s arguments: a config file, ``--section.key value`` overrides, --help."""
+
+    config_file: str | None = None
+    overrides: dict[str, dict[str, str]] = field(default_factory=dict)
+    help: bool = False
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Split ``argv`` into the config file and the ``--section.key value`` overrides."""
+    cli = CommandLine()
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            cli.help = True
+            continue
+        if not arg.startswith("--"):
+            raise ConfigError(
+                f"unexpected argument {arg!r}: use --config FILE and --section.key VALUE"
+            )
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if not args:
+                raise ConfigError(f"argument '--{name}' needs a value")
+            value = args.pop(0)
+        if name == "config":
+            cli.config_file = value
+            continue
+        section, dot, key = name.partition(".")
+        if not dot or not key:
+            raise ConfigError(
+                f"argument '--{name}' must be --section.key (e.g. --training.steps 50)"
+            )
+        cli.overrides.setdefault(section, {})[key] = value
+    return cli
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config file, with one-line errors for a missing or malformed file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{path}' not found: pass an existing file to --config")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not valid TOML: {e}") from e
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"config file '{path}': top-level key '{section}' must be a [section] table"
+            )
+    return data
+
+
+def merged_values(cli: CommandLine) -> dict[str, dict[str, Any]]:
+    """The TOML file's sections with the command-line overrides applied on top."""
+    values = read_toml(cli.config_file) if cli.config_file else {}
+    for section, kv in cli.overrides.items():
+        values.setdefault(section, {}).update(kv)
+    return values
+
+
+def enabled_plugins(values: dict[str, dict[str, Any]]) -> list[str]:
+    """``plugins.enabled`` from the merged values, before the full config is built."""
+    return coerce(values.get("plugins", {}).get("enabled", []), list[str], "plugins.enabled")
+
+
+def build_config(
+    values: dict[str, dict[str, Any]],
+    plugin_sections: dict[str, type],
+    installed: typing.Iterable[str] = (),
+) -> JobConfig:
+    """Build and validate the :class:`JobConfig` from merged values.
+
+    ``plugin_sections`` maps each enabled plugin with a config section to its dataclass;
+    ``installed`` names every installed plugin, to explain a section of a disabled one.
+    """
+    core = {f.name: typing.get_type_hints(JobConfig)[f.name] for f in _core_sections()}
+    known = [*core, *plugin_sections]
+    for section in values:
+        if section in known:
+            continue
+        if section in installed:
+            raise ConfigError(
+                f"config section [{section}] configures plugin '{section}', which is not "
+                f"enabled: add '{section}' to plugins.enabled or remove the section"
+            )
+        raise ConfigError(
+            f"unknown config section [{section}]{did_you_mean(section, known)}; "
+            f"sections: {', '.join(known)}"
+        )
+    return JobConfig(
+        **{name: build_section(cls, name, values.get(name, {})) for name, cls in core.items()},
+        plugin_sections={
+            name: build_section(cls, name, values.get(name, {}))
+            for name, cls in plugin_sections.items()
+        },
+    )
+
+
+def format_help(plugin_sections: dict[str, type]) -> str:
+    """Every section and field with its type, default and docstring."""
+    lines = [
+        "usage: train.py [--config FILE] [--section.key VALUE ...]",
+        "",
+        "Every field can be set in the TOML file's [section] or overridden on the command line.",
+    ]
+    sections = {f.name: typing.get_type_hints(JobConfig)[f.name] for f in _core_sections()}
+    sections.update(plugin_sections)
+    for section, cls in sections.items():
+        lines.append(f"\n[{section}]")
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            lines.append(
+                f"  --{section}.{f.name} ({_type_name(hints[f.name])}, default {default!r})"
+            )
+            if f.name in docs:
+                lines.append(f"      {docs[f.name]}")
+    return "\n".join(lines)

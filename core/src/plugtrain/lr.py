@@ -1,0 +1,41 @@
+"""Learning-rate schedule: linear warmup, then cosine or linear decay (or none)."""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+from plugtrain.config import LRScheduler
+
+
+def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
+    """The multiplier of the peak LR for the optimizer step that follows ``step`` taken steps.
+
+    Warmup rises linearly to 1 at the end of ``cfg.warmup_steps``; then the factor decays to
+    ``cfg.min_lr_ratio`` at ``total_steps``.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    if cfg.decay_type == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif cfg.decay_type == "linear":
+        decay = 1.0 - progress
+    else:
+        decay = 1.0
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+
+
+def build_lr_scheduler(optimizer: Optimizer, cfg: LRScheduler, total_steps: int) -> LambdaLR:
+    """A ``LambdaLR`` over :func:`lr_factor`; its ``last_epoch`` counts the steps taken.
+
+    NOTE: a vetoed step does not call ``scheduler.step()``, so the schedule follows the
+    optimizer steps that really happened, not the loop counter.
+    """
+
+    def factor(step: int) -> float:
+        return lr_factor(step, cfg, total_steps)
+
+    return LambdaLR(optimizer, factor)

@@ -1,0 +1,170 @@
+"""Plugin discovery, loading and registration.
+
+Plugins are distributions that declare an entry point in the ``plugtrain.plugins`` group; the
+entry point's name is the plugin's name. A run enables plugins by name
+(``[plugins] enabled = [...]``) and only those are imported: the rest are known by their
+metadata alone. An entry point names a module (registered as is) or a zero-argument callable,
+usually a class, whose result is registered (so a plugin can keep per-run state on ``self``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from plugtrain import hookspecs
+from plugtrain.errors import PluginError, did_you_mean
+from plugtrain.plugin import PROJECT_NAME
+
+ENTRY_POINT_GROUP = "plugtrain.plugins"
+
+
+@dataclass(frozen=True)
+class InstalledPlugin:
+    """An installed plugin as its metadata describes it (nothing imported)."""
+
+    name: str
+    value: str
+    """The entry point's target, ``module`` or ``module:attr``."""
+    distribution: str
+    version: str
+    entry_point: md.EntryPoint
+
+
+def installed_plugins() -> dict[str, InstalledPlugin]:
+    """Every plugin installed in this environment, by name, read from metadata only."""
+    found: dict[str, InstalledPlugin] = {}
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist
+        plugin = InstalledPlugin(
+            name=ep.name,
+            value=ep.value,
+            distribution=dist.name if dist else "?",
+            version=dist.version if dist else "?",
+            entry_point=ep,
+        )
+        other = found.get(ep.name)
+        if other is not None and other.distribution != plugin.distribution:
+            raise PluginError(
+                f"plugin name '{ep.name}' is provided by both '{other.distribution}' and "
+                f"'{plugin.distribution}': uninstall one of them"
+            )
+        found[ep.name] = plugin
+    return found
+
+
+def _instantiate(name: str, target: Any) -> Any:
+    """A module is the plugin itself; a class or factory is called once to make it."""
+    if callable(target):
+        try:
+            return target()
+        except TypeError as e:
+            raise PluginError(
+                f"plugin '{name}': its entry point must name a module or a callable taking no "
+                f"arguments, but calling it failed: {e}"
+            ) from e
+    return target
+
+
+class PluginHost:
+    """The run's pluggy ``PluginManager``, with plugtrain's loading rules and error messages.
+
+    ``host.hook.<name>(...)`` fires a hook for every registered plugin.
+    """
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(PROJECT_NAME)
+        self.pm.add_hookspecs(hookspecs)
+        self.hook = self.pm.hook
+        self.versions: dict[str, str] = {}
+        """The enabled plugins' ``distribution version``, by name, for the run's records."""
+
+    def load_enabled(self, names: Sequence[str]) -> None:
+        """Import and register the installed plugins named in ``names``, and only those."""
+        installed = installed_plugins()
+        for name in names:
+            if name not in installed:
+                available = ", ".join(sorted(installed)) or "none"
+                raise PluginError(
+                    f"plugins.enabled names '{name}', which no installed plugin provides"
+                    f"{did_you_mean(name, installed)}; installed plugins: {available} "
+                    f"(install the plugin's distribution, or remove '{name}' from plugins.enabled)"
+                )
+            plugin = installed[name]
+            try:
+                target = plugin.entry_point.load()
+            except Exception as e:
+                raise PluginError(
+                    f"plugin '{name}' (distribution '{plugin.distribution}' {plugin.version}) "
+                    f"failed to import '{plugin.value}': {type(e).__name__}: {e} "
+                    f"(reinstall '{plugin.distribution}' or remove '{name}' from plugins.enabled)"
+                ) from e
+            self.register(_instantiate(name, target), name)
+            self.versions[name] = f"{plugin.distribution} {plugin.version}"
+
+    def register(self, plugin: object, name: str) -> None:
+        """Register one plugin object under ``name`` and check its hooks against the contract."""
+        if self.pm.has_plugin(name):
+            raise PluginError(f"plugin '{name}' is enabled twice: list it once in plugins.enabled")
+        try:
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as e:
+            raise PluginError(f"plugin '{name}': {_one_line(e)}") from e
+        for hook_name in self._implemented(plugin):
+            if hook_name not in self.hook_names():
+                self.pm.unregister(plugin)
+                raise PluginError(
+                    f"plugin '{name}' implements hook '{hook_name}', which does not exist"
+                    f"{did_you_mean(hook_name, self.hook_names())}; hooks: "
+                    f"{', '.join(self.hook_names())}"
+                )
+
+    def _implemented(self, plugin: object) -> list[str]:
+        return [caller.name for caller in self.pm.get_hookcallers(plugin) or []]
+
+    def hooks_of(self, name: str) -> list[str]:
+        """The hooks plugin ``name`` implements, in the contract's declaration order."""
+        order = self.hook_names()
+        return sorted(self._implemented(self.get(name)), key=order.index)
+
+    @staticmethod
+    def hook_names() -> list[str]:
+        """Every hook of the contract, in declaration order."""
+        return [n for n, f in vars(hookspecs).items() if hasattr(f, f"{PROJECT_NAME}_spec")]
+
+    def names(self) -> list[str]:
+        """Names of the registered plugins."""
+        return [name for name, _ in self.pm.list_name_plugin()]
+
+    def get(self, name: str) -> object:
+        """The registered plugin object called ``name``."""
+        plugin = self.pm.get_plugin(name)
+        if plugin is None:
+            raise KeyError(name)
+        return plugin
+
+    def unregister(self, plugin: object) -> None:
+        """Remove a plugin: none of its hooks fire afterwards."""
+        self.pm.unregister(plugin)
+
+    def call_each(self, hook_name: str, **kwargs: Any) -> dict[str, Any]:
+        """Call hook ``hook_name`` on each plugin separately and return results by plugin name.
+
+        For hooks whose results belong to a plugin (its config section, metrics, state), not on
+        the per-step hot path. Plugins are visited in the hook's own call order; ``None``
+        results are left out.
+        """
+        results: dict[str, Any] = {}
+        for impl in reversed(getattr(self.hook, hook_name).get_hookimpls()):
+            result = impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+            if result is not None:
+                results[impl.plugin_name] = result
+        return results
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())

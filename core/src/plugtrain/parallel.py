@@ -1,0 +1,100 @@
+"""torch.distributed set-up and FSDP2 sharding.
+
+One code path for every launch: plain ``python train.py`` runs as a world of one process (a
+private in-memory store, no ports), ``torchrun`` gives N processes on one or several machines.
+CPU uses the gloo backend, CUDA uses NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from plugtrain.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``training.device`` as a device: ``auto`` is CUDA when available, else CPU."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "config key 'training.device' is 'cuda' but no CUDA device is available: "
+            "use --training.device cpu"
+        )
+    return torch.device(choice)
+
+
+def init_world(device_choice: str) -> World:
+    """Join (or, for a plain ``python`` launch, create) the process group and the device mesh."""
+    device = resolve_device(device_choice)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ:  # launched by torchrun: env:// rendezvous
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:
+            # NOTE: a private HashStore makes a one-process group without opening a port, so
+            # the single-process run takes exactly the same FSDP2 code path as torchrun's.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    return World(dist.get_rank(), world_size, local_rank, device, mesh)
+
+
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> MixedPrecisionPolicy:
+    """Apply FSDP2 to each transformer block, then to the root; return the policy used."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = list(model.layers)
+    for i, block in enumerate(layers):
+        # NOTE: the last block stays gathered after forward, since backward needs it at once.
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return policy
+
+
+def all_reduce_mean(values: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Mean over ranks of a tensor (in place); a no-op in a world of one."""
+    if world_size > 1:
+        # NOTE: gloo has no AVG reduction: sum, then divide.
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= world_size
+    return values
+
+
+def destroy_world() -> None:
+    """Leave the process group (idempotent)."""
+    if dist.is_initialized():
+        # NOTE: without a barrier a fast rank can tear gloo's connections down while a slow
+        # one still uses them, and the slow one aborts ("terminate called without an active
+        # exception") after a successful run.
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,157 @@
+"""The public plugin API: everything a plugin may import from the core.
+
+A plugin imports from this module only (``from plugtrain.plugin import hookimpl, ...``); the
+hooks themselves, with when each fires and what it may change, are declared and documented in
+:mod:`plugtrain.hookspecs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+import torch
+from torch import nn
+
+from plugtrain.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from plugtrain.config import JobConfig
+
+__all__ = [
+    "PROJECT_NAME",
+    "ConfigError",
+    "SetupContext",
+    "StepContext",
+    "check_field",
+    "gradients",
+    "hookimpl",
+    "local_tensor",
+]
+
+PROJECT_NAME = "plugtrain"
+
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""Marks a plugin's hook implementation: ``@hookimpl`` or ``@hookimpl(tryfirst=True)``."""
+
+
+@dataclass(eq=False)
+class SetupContext:
+    """What the ``setup`` hook receives: the run as built, before its first step.
+
+    Plugins read the resolved mixed-precision dtypes here rather than from FSDP internals or
+    the raw config strings.
+    """
+
+    config: JobConfig
+    """The whole validated config (core sections and every enabled plugin's section)."""
+    model: nn.Module
+    """The model, already wrapped with FSDP2 ``fully_shard``: its parameters are DTensors."""
+    optimizer: Optimizer
+    lr_scheduler: LRScheduler
+    param_dtype: torch.dtype
+    """Dtype of parameters in forward and backward (``training.mixed_precision_param``)."""
+    reduce_dtype: torch.dtype
+    """Dtype of the gradient reduce-scatter (``training.mixed_precision_reduce``)."""
+    device: torch.device
+    mesh: DeviceMesh
+    """The data-parallel device mesh over all ranks."""
+    rank: int
+    world_size: int
+    loss_scalers: list[str] = field(default_factory=list)
+    """Plugins that declared, with :meth:`register_loss_scaler`, that they scale the loss."""
+    _deactivated: dict[object, str] = field(default_factory=dict, repr=False)
+
+    def plugin_config(self, name: str) -> Any:
+        """Return the validated config section of plugin ``name`` (its config dataclass)."""
+        return self.config.plugin(name)
+
+    def deactivate(self, plugin: object, reason: str) -> None:
+        """Unregister ``plugin`` once ``setup`` returns, so that none of its hooks fire again.
+
+        A plugin with nothing to do in this run (the loss scaler under bf16) calls this to
+        cost exactly nothing: it is not called on the hot path, and it saves no state.
+        """
+        self._deactivated[plugin] = reason
+
+    def register_loss_scaler(self, name: str) -> None:
+        """Declare that plugin ``name`` scales the loss in ``pre_backward`` this run.
+
+        The trainer warns when float16 compute runs with no loss scaler, and refuses two: each
+        would scale the loss and unscale the gradients on top of the other.
+        """
+        if self.loss_scalers:
+            raise PluginError(
+                f"plugins '{self.loss_scalers[0]}' and '{name}' both scale the loss: "
+                "enable only one of them"
+            )
+        self.loss_scalers.append(name)
+
+
+@dataclass(eq=False, slots=True)
+class StepContext:
+    """The mutable state of one optimizer step, handed to every step hook.
+
+    One instance is built per optimizer step; the trainer sets the fields as the step proceeds.
+    """
+
+    step: int
+    """The optimizer step being computed, 1-based (the first step is 1)."""
+    num_microbatches: int
+    """Microbatches accumulated into this step (``training.grad_accum_steps``)."""
+    model: nn.Module
+    optimizer: Optimizer
+    microbatch: int = 0
+    """Index of the current microbatch, ``0 .. num_microbatches - 1``."""
+    loss: torch.Tensor | None = None
+    """In ``pre_backward``: the scalar tensor ``backward()`` will run on (already divided by
+    ``num_microbatches``). A plugin may replace it (the loss scaler multiplies it). The loss the
+    trainer logs is taken before the hook, so it is never affected."""
+    skipped: bool = False
+    """In ``post_step``: whether ``pre_step`` vetoed the optimizer step."""
+    skip_reasons: list[str] = field(default_factory=list)
+    """In ``post_step``: the reasons of every veto, empty if the step ran."""
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The model's parameters (FSDP2 DTensors, sharded over the mesh)."""
+        return self.model.parameters()
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The gradients of this rank's parameters that have one (see :func:`gradients`)."""
+        return gradients(self.model)
+
+
+def gradients(model: nn.Module) -> list[torch.Tensor]:
+    """Return the ``.grad`` of every parameter that has one, in parameter order.
+
+    Under FSDP2 these are DTensor shards; reduce over them with DTensor ops (or
+    :func:`local_tensor` plus an explicit collective) to get global quantities.
+    """
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local part of ``t``: ``to_local()`` of a DTensor, ``t`` itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def check_field(condition: bool, section: str, key: str, message: str) -> None:
+    """Raise :class:`ConfigError` naming ``[section] key`` unless ``condition`` holds.
+
+    For config dataclasses' ``__post_init__``: ``check_field(self.max_norm > 0, "grad_clip",
+    "max_norm", f"must be > 0, got {self.max_norm}")``.
+    """
+    if not condition:
+        raise ConfigError(f"config key '{section}.{key}' {message}")
+
+
+MetricValue = float | int | torch.Tensor
+"""A step metric: a Python number, or a 0-d tensor (read on logging steps only)."""
+Metrics = Mapping[str, MetricValue]

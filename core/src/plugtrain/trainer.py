@@ -1,0 +1,226 @@
+"""The trainer: builds the run from its config, then loops over steps, firing the hooks.
+
+The step itself (:meth:`Trainer.train_step`) fits on one screen; everything it needs is built in
+:meth:`Trainer.__init__` from well-named modules (``parallel``, ``model``, ``data``, ``lr``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugtrain.config import JobConfig
+from plugtrain.data import PackedDataset, StatefulBatchLoader, build_dataset, iter_eval_batches
+from plugtrain.lr import build_lr_scheduler
+from plugtrain.manager import PluginHost
+from plugtrain.metrics import MetricsLogger, peak_memory_gib, setup_logging, to_number
+from plugtrain.model import FLAVORS, Transformer
+from plugtrain.parallel import DTYPES, World, all_reduce_mean, init_world, shard_model
+from plugtrain.plugin import SetupContext, StepContext
+from plugtrain.tokenizer import Tokenizer
+
+logger = logging.getLogger("plugtrain")
+
+Batch = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+class Trainer:
+    """One training run: the model, its data, optimizer and schedule, and the plugins' hooks."""
+
+    def __init__(self, config: JobConfig, plugins: PluginHost) -> None:
+        self.config, self.plugins, self.hook = config, plugins, plugins.hook
+        train_cfg = config.training
+        self.world: World = init_world(train_cfg.device)
+        setup_logging(self.world.rank)
+        self.device = self.world.device
+        self.param_dtype = DTYPES[train_cfg.mixed_precision_param]
+        self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
+
+        self.tokenizer = Tokenizer.from_file(config.model.tokenizer_path)
+        self.train_data = build_dataset(
+            config.data.train_path,
+            "data.train_path",
+            self.tokenizer,
+            config.data.text_field,
+            train_cfg.seq_len,
+        )
+        self.val_data: PackedDataset | None = None
+        if config.validation.interval:
+            self.val_data = build_dataset(
+                config.data.validation_path,
+                "data.validation_path",
+                self.tokenizer,
+                config.data.text_field,
+                train_cfg.seq_len,
+            )
+        self.loader = StatefulBatchLoader(
+            self.train_data,
+            global_batch_size=train_cfg.batch_size,
+            grad_accum_steps=train_cfg.grad_accum_steps,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            seed=train_cfg.seed,
+            shuffle=config.data.shuffle,
+        )
+
+        self.model_args = dataclasses.replace(
+            FLAVORS[config.model.flavor],
+            vocab_size=self.tokenizer.vocab_size,
+            max_seq_len=max(FLAVORS[config.model.flavor].max_seq_len, train_cfg.seq_len),
+        )
+        self.model = self._build_model()
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=opt.lr,
+            betas=tuple(opt.betas),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, train_cfg.steps)
+        self.step = 0
+        """Optimizer steps completed (vetoed ones included)."""
+        self.tokens_seen = 0
+        """Training tokens consumed, over all ranks."""
+        self.skipped_steps = 0
+        self.metrics = MetricsLogger(config.job.dump_folder, enabled=self.world.is_main)
+        self._setup_plugins()
+
+    def _build_model(self) -> nn.Module:
+        # NOTE: build on the meta device, shard, then materialise: no rank ever holds the full
+        # model, and init_weights gives the same weights whatever the world size.
+        with torch.device("meta"):
+            model = Transformer(self.model_args)
+        shard_model(model, self.world.mesh, self.param_dtype, self.reduce_dtype)
+        model.to_empty(device=self.device)
+        model.init_weights(seed=self.config.training.seed)
+        return model
+
+    def _setup_plugins(self) -> None:
+        ctx = SetupContext(
+            config=self.config,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            device=self.device,
+            mesh=self.world.mesh,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+        )
+        self.hook.setup(ctx=ctx)
+        for plugin, reason in ctx._deactivated.items():
+            self.plugins.unregister(plugin)
+            logger.info("plugin deactivated for this run: %s", reason)
+        if self.param_dtype == torch.float16 and not ctx.loss_scalers and self.world.is_main:
+            warnings.warn(
+                "training.mixed_precision_param is float16 but no enabled plugin scales the "
+                "loss: small gradients may underflow to zero; enable the 'grad_scaler' plugin",
+                stacklevel=2,
+            )
+
+    def train_step(self, batch: Batch) -> tuple[torch.Tensor, StepContext]:
+        """One optimizer step over ``batch``'s microbatches; returns the mean loss and context."""
+        ctx = StepContext(self.step + 1, len(batch), self.model, self.optimizer)
+        loss_sum = torch.zeros((), device=self.device)
+        for ctx.microbatch, (inputs, targets) in enumerate(batch):
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            ctx.loss = cross_entropy(self.model(inputs), targets) / len(batch)
+            loss_sum += ctx.loss.detach()
+            self.hook.pre_backward(ctx=ctx)
+            ctx.loss.backward()
+        self.hook.post_backward(ctx=ctx)
+        ctx.skip_reasons = [r for r in self.hook.pre_step(ctx=ctx) if r]
+        ctx.skipped = bool(ctx.skip_reasons)
+        if ctx.skipped:
+            self.skipped_steps += 1
+            logger.info("step %d skipped: %s", ctx.step, "; ".join(ctx.skip_reasons))
+        else:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        self.hook.post_step(ctx=ctx)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step = ctx.step
+        self.tokens_seen += self.config.training.batch_size * self.config.training.seq_len
+        return loss_sum, ctx
+
+    def train(self) -> None:
+        """Train until ``training.steps``, logging and validating on schedule."""
+        cfg = self.config
+        logger.info(
+            "training %s (%.1fM parameters) for %d steps on %d %s process(es), %s compute",
+            cfg.model.flavor,
+            self.model_args_num_params() / 1e6,
+            cfg.training.steps,
+            self.world.world_size,
+            self.device.type,
+            cfg.training.mixed_precision_param,
+        )
+        self.model.train()
+        last_time, last_step = time.perf_counter(), self.step
+        while self.step < cfg.training.steps:
+            lr = self.lr_scheduler.get_last_lr()[0]
+            loss, ctx = self.train_step(self.loader.next_batch())
+            if self._due(cfg.metrics.log_freq) or self.step == 1:
+                now = time.perf_counter()
+                self._log_step(loss, ctx, lr, (now - last_time) / (self.step - last_step))
+                last_time, last_step = time.perf_counter(), self.step
+            if self.val_data is not None and self._due(cfg.validation.interval):
+                self.metrics.log({"step": self.step, "validation_loss": self.validate()})
+
+    def _due(self, every: int) -> bool:
+        return self.step % every == 0 or self.step == self.config.training.steps
+
+    def _log_step(self, loss: torch.Tensor, ctx: StepContext, lr: float, step_time: float) -> None:
+        global_loss = all_reduce_mean(loss, self.world.world_size)
+        record = {"step": self.step, "loss": to_number(global_loss), "lr": lr}
+        for plugin, metrics in self.plugins.call_each("step_metrics", ctx=ctx).items():
+            record.update({f"{plugin}/{k}": to_number(v) for k, v in metrics.items()})
+        tokens = self.config.training.batch_size * self.config.training.seq_len
+        record.update(
+            tokens_per_sec=tokens / step_time,
+            tokens_per_sec_per_rank=tokens / step_time / self.world.world_size,
+            memory_gib=peak_memory_gib(self.device),
+            skipped_steps=self.skipped_steps,
+        )
+        self.metrics.log(record)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean validation loss over ``validation.steps`` batches, averaged over ranks."""
+        assert self.val_data is not None
+        self.model.eval()
+        total = torch.zeros(2, device=self.device)
+        for inputs, targets in iter_eval_batches(
+            self.val_data,
+            batch_size=self.config.training.batch_size,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            max_batches=self.config.validation.steps,
+        ):
+            total[0] += cross_entropy(self.model(inputs.to(self.device)), targets.to(self.device))
+            total[1] += 1
+        self.model.train()
+        all_reduce_mean(total, self.world.world_size)
+        return (total[0] / total[1]).item()
+
+    def model_args_num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def close(self) -> None:
+        """Flush the run's files (the process group is left to the launcher)."""
+        self.metrics.close()

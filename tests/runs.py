@@ -1,0 +1,54 @@
+"""Helpers to configure and run small training jobs from tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VALIDATION = REPO / "data" / "shakespeare" / "validation.jsonl"
+
+
+def tiny_args(dump_folder: Path, *extra: str, steps: int = 3) -> list[str]:
+    """Arguments for a run of the tiny model that takes about a second.
+
+    It trains on the (small) validation split to keep tokenisation fast, with validation off.
+    """
+    return [
+        "--job.dump_folder", str(dump_folder),
+        "--model.flavor", "tiny",
+        "--model.tokenizer_path", str(REPO / "data" / "shakespeare" / "tokenizer.json"),
+        "--data.train_path", str(VALIDATION),
+        "--training.steps", str(steps),
+        "--training.batch_size", "4",
+        "--training.seq_len", "32",
+        "--lr_scheduler.warmup_steps", "1",
+        "--validation.interval", "0",
+        "--metrics.log_freq", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_train_py(
+    args: list[str], nproc: int = 1, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run ``train.py`` as a user would: plain python for 1 process, torchrun for more."""
+    if nproc == 1:
+        cmd = [sys.executable, str(REPO / "train.py"), *args]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            str(REPO / "train.py"), *args,
+        ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

@@ -1,0 +1,121 @@
+"""The config system: TOML, command-line overrides, and every kind of bad input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from plugtrain.config import (
+    build_config,
+    coerce,
+    format_help,
+    merged_values,
+    parse_command_line,
+)
+from plugtrain.errors import ConfigError
+
+
+def config_from(argv: list[str], plugin_sections: dict | None = None, installed=()):
+    return build_config(merged_values(parse_command_line(argv)), plugin_sections or {}, installed)
+
+
+def test_defaults_are_the_debug_run():
+    cfg = config_from([])
+    assert cfg.model.flavor == "debug"
+    assert cfg.training.mixed_precision_param == "float32"
+    assert cfg.training.mixed_precision_reduce == "float32"
+    assert cfg.plugins.enabled == []
+
+
+def test_toml_then_command_line_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[training]\nsteps = 7\nseq_len = 64\nmixed_precision_param = "bfloat16"\n'
+        "[optimizer]\nbetas = [0.8, 0.9]\n"
+    )
+    cfg = config_from(["--config", str(path), "--training.steps", "9", "--optimizer.lr=0.01"])
+    assert cfg.training.steps == 9  # the command line wins
+    assert cfg.training.seq_len == 64  # the file applies
+    assert cfg.training.mixed_precision_param == "bfloat16"
+    assert cfg.optimizer.betas == [0.8, 0.9]
+    assert cfg.optimizer.lr == 0.01
+
+
+def test_list_overrides_accept_commas_and_toml_arrays():
+    assert coerce("a, b", list[str], "k") == ["a", "b"]
+    assert coerce('["a", "b"]', list[str], "k") == ["a", "b"]
+    assert coerce("[]", list[str], "k") == []
+    assert coerce("inf", float, "k") == float("inf")
+    assert coerce("false", bool, "k") is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--trainig.steps", "3"], "unknown config section [trainig] (did you mean 'training'?)"),
+        (["--training.stepz", "3"], "unknown config key 'training.stepz' (did you mean 'steps'?)"),
+        (["--training.steps", "three"], "config key 'training.steps' must be int, got 'three'"),
+        (["--training.steps", "0"], "config key 'training.steps' must be >= 1, got 0"),
+        (["--optimizer.lr", "-1"], "config key 'optimizer.lr' must be finite and > 0, got -1.0"),
+        (
+            ["--training.mixed_precision_param", "float61"],
+            "config key 'training.mixed_precision_param' is 'float61' (did you mean 'float16'?)",
+        ),
+        (
+            ["--model.flavor", "debgu"],
+            "config key 'model.flavor' is 'debgu' (did you mean 'debug'?)",
+        ),
+        (["--training.steps"], "argument '--training.steps' needs a value"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+        (["--steps", "3"], "argument '--steps' must be --section.key"),
+        (["--config", "/nonexistent.toml"], "config file '/nonexistent.toml' not found"),
+        (["--optimizer.lr", "inf"], "config key 'optimizer.lr' must be finite and > 0, got inf"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_key(argv, message):
+    with pytest.raises(ConfigError) as e:
+        config_from(argv)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_malformed_toml_names_the_file(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[training\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=f"config file '{path}' is not valid TOML"):
+        config_from(["--config", str(path)])
+
+
+@dataclass
+class ExampleSection:
+    max_norm: float = 1.0
+    """Doc of max_norm."""
+    names: list[str] = field(default_factory=list)
+
+
+def test_plugin_sections_are_typed_and_checked():
+    cfg = config_from(["--ex.max_norm", "2"], {"ex": ExampleSection})
+    assert cfg.plugin("ex") == ExampleSection(max_norm=2.0)
+    with pytest.raises(ConfigError, match=r"unknown config key 'ex.max_nrom' \(did you mean"):
+        config_from(["--ex.max_nrom", "2"], {"ex": ExampleSection})
+
+
+def test_section_of_a_disabled_plugin_says_enable_it():
+    with pytest.raises(ConfigError, match="configures plugin 'ex', which is not enabled: add 'ex'"):
+        config_from(["--ex.max_norm", "2"], {}, installed=["ex"])
+
+
+def test_help_lists_fields_with_their_docs():
+    text = format_help({"ex": ExampleSection})
+    assert "--training.mixed_precision_param (" in text
+    assert "FSDP2 MixedPrecisionPolicy param_dtype" in text
+    assert "--ex.max_norm (float, default 1.0)" in text
+    assert "Doc of max_norm." in text
+
+
+def test_to_dict_includes_plugin_sections():
+    cfg = config_from(["--ex.max_norm", "3"], {"ex": ExampleSection})
+    d = cfg.to_dict()
+    assert d["ex"] == {"max_norm": 3.0, "names": []}
+    assert d["training"]["steps"] == cfg.training.steps

@@ -1,0 +1,177 @@
+"""Plugin discovery, loading and registration errors."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from plugtrain.errors import PluginError
+from plugtrain.launch import configure
+from plugtrain.manager import ENTRY_POINT_GROUP, PluginHost, installed_plugins
+from plugtrain.plugin import SetupContext, hookimpl
+
+
+def fake_entry_points(monkeypatch, **targets: str) -> None:
+    """Make ``installed_plugins`` see extra entry points ``name=module:attr``."""
+    real = md.entry_points
+    extra = [md.EntryPoint(name, value, ENTRY_POINT_GROUP) for name, value in targets.items()]
+
+    def entry_points(**kw):
+        found = real(**kw)
+        return md.EntryPoints([*found, *extra]) if kw.get("group") == ENTRY_POINT_GROUP else found
+
+    monkeypatch.setattr(md, "entry_points", entry_points)
+
+
+def test_unknown_name_lists_available_plugins():
+    with pytest.raises(PluginError) as e:
+        PluginHost().load_enabled(["hook_recordr"])
+    msg = str(e.value)
+    assert "plugins.enabled names 'hook_recordr', which no installed plugin provides" in msg
+    assert "(did you mean 'hook_recorder'?)" in msg
+    assert "installed plugins: " in msg and "hook_recorder" in msg
+
+
+def test_import_failure_names_plugin_and_distribution(monkeypatch):
+    fake_entry_points(monkeypatch, broken="plugtrain_no_such_module_xyz:Plugin")
+    with pytest.raises(PluginError) as e:
+        PluginHost().load_enabled(["broken"])
+    assert "plugin 'broken' (distribution '?' ?) failed to import" in str(e.value)
+    assert "ModuleNotFoundError" in str(e.value)
+
+
+class TypoPlugin:
+    @hookimpl
+    def pre_stepp(self, ctx):  # the typo under test
+        pass
+
+
+class ExtraArgPlugin:
+    @hookimpl
+    def pre_step(self, ctx, optimizer_state):  # the hook gives no optimizer_state
+        pass
+
+
+class NeedsArgs:
+    def __init__(self, required):
+        self.required = required
+
+
+def test_typo_hook_is_refused_with_suggestion():
+    with pytest.raises(PluginError) as e:
+        PluginHost().register(TypoPlugin(), "typo")
+    assert "plugin 'typo' implements hook 'pre_stepp', which does not exist" in str(e.value)
+    assert "(did you mean 'pre_step'?)" in str(e.value)
+
+
+def test_argument_the_hook_does_not_give_is_refused():
+    with pytest.raises(PluginError) as e:
+        PluginHost().register(ExtraArgPlugin(), "extra")
+    msg = str(e.value)
+    assert msg.startswith("plugin 'extra': ")
+    assert "optimizer_state" in msg and "\n" not in msg
+
+
+def test_entry_point_to_class_with_arguments_is_explained(monkeypatch):
+    fake_entry_points(monkeypatch, needy=f"{__name__}:NeedsArgs")
+    with pytest.raises(PluginError, match="must name a module or a callable taking no arguments"):
+        PluginHost().load_enabled(["needy"])
+
+
+def test_enabled_twice_is_refused():
+    with pytest.raises(PluginError, match="plugin 'hook_recorder' is enabled twice"):
+        PluginHost().load_enabled(["hook_recorder", "hook_recorder"])
+
+
+def test_two_loss_scalers_are_refused():
+    ctx = SetupContext(*[None] * 10)
+    ctx.register_loss_scaler("a")
+    with pytest.raises(PluginError, match="plugins 'a' and 'b' both scale the loss"):
+        ctx.register_loss_scaler("b")
+
+
+def test_plugin_config_key_that_does_not_exist():
+    from plugtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'hook_recorder\.vetosteps'"):
+        configure(["--plugins.enabled", "hook_recorder", "--hook_recorder.vetosteps", "[1]"])
+
+
+PLUGIN_SOURCE = '''
+"""A third-party plugin, built and installed as a real distribution by the test."""
+from plugtrain.plugin import hookimpl
+
+FIRED = []
+
+@hookimpl
+def post_step(ctx):
+    FIRED.append(ctx.step)
+'''
+
+
+def build_and_install(tmp_path, name: str) -> None:
+    src = tmp_path / "src" / name
+    (src / f"plugtrain_{name}").mkdir(parents=True)
+    (src / f"plugtrain_{name}" / "__init__.py").write_text(PLUGIN_SOURCE)
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent(f"""
+        [build-system]
+        requires = ["setuptools>=64"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "plugtrain-{name}"
+        version = "1.2.3"
+        [project.entry-points."plugtrain.plugins"]
+        {name} = "plugtrain_{name}"
+        """)
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--no-index", "--target", str(tmp_path / "site"), str(src)],
+        check=True,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def third_party(tmp_path, monkeypatch):
+    """Two real distributions, 'tp_on' and 'tp_off', pip-installed into a fresh folder."""
+    for name in ("tp_on", "tp_off"):
+        build_and_install(tmp_path, name)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    yield
+    for name in ("tp_on", "tp_off"):
+        sys.modules.pop(f"plugtrain_{name}", None)
+
+
+def test_installed_distribution_is_discovered_enabled_and_fires(third_party, tmp_path):
+    from runs import tiny_args
+
+    from plugtrain.trainer import Trainer
+
+    plugins = installed_plugins()
+    assert plugins["tp_on"].distribution == "plugtrain-tp_on"
+    assert plugins["tp_on"].version == "1.2.3"
+    config, host = configure([*tiny_args(tmp_path / "run", steps=2), "--plugins.enabled", "tp_on"])
+    trainer = Trainer(config, host)
+    trainer.train()
+    trainer.close()
+    assert sys.modules["plugtrain_tp_on"].FIRED == [1, 2]
+    assert "plugtrain_tp_off" not in sys.modules  # installed, not enabled: never imported
+
+
+def test_plugins_command_lists_without_importing_disabled(third_party, capsys):
+    from plugtrain.cli import main
+
+    assert main(["plugins", "--plugins.enabled", "tp_on,hook_recorder"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines()}
+    assert lines["tp_on"].split()[1:4] == ["yes", "plugtrain-tp_on", "1.2.3"]
+    assert lines["tp_on"].endswith("post_step")
+    assert lines["tp_off"].split()[1] == "no"
+    assert "(not loaded: plugtrain_tp_off)" in lines["tp_off"]
+    assert "setup, pre_backward, post_backward, pre_step, post_step" in lines["hook_recorder"]
+    assert "plugtrain_tp_off" not in sys.modules

@@ -1,0 +1,39 @@
+"""train.py as a user runs it: exit codes and one-line errors."""
+
+from __future__ import annotations
+
+from conftest import read_metrics
+from runs import run_train_py, tiny_args
+
+
+def test_short_run_writes_metrics_and_exits_zero(tmp_path):
+    result = run_train_py(tiny_args(tmp_path, steps=2))
+    assert result.returncode == 0, result.stderr
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert "step     2 | loss" in result.stderr
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    result = run_train_py([*tiny_args(tmp_path), "--training.stepz", "3"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "plugtrain: error: unknown config key 'training.stepz' (did you mean 'steps'?); "
+        "[training] has: batch_size, device, grad_accum_steps, mixed_precision_param, "
+        "mixed_precision_reduce, seed, seq_len, steps"
+    ]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_missing_data_file_is_one_line(tmp_path):
+    result = run_train_py([*tiny_args(tmp_path), "--data.train_path", str(tmp_path / "nope.jsonl")])
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "nope.jsonl" in line and "data.train_path" in line
+
+
+def test_help_lists_every_section(tmp_path):
+    result = run_train_py(["--help"])
+    assert result.returncode == 0
+    for section in ("[job]", "[model]", "[training]", "[optimizer]", "[plugins]"):
+        assert section in result.stdout
