@@ -164,7 +164,7 @@ class Trainer:
         logger.info(
             "training %s (%.1fM parameters) for %d steps on %d %s process(es), %s compute",
             cfg.model.flavor,
-            self.model_args_num_params() / 1e6,
+            self.model_args.num_params() / 1e6,
             cfg.training.steps,
             self.world.world_size,
             self.device.type,
@@ -217,9 +217,6 @@ class Trainer:
         self.model.train()
         all_reduce_mean(total, self.world.world_size)
         return (total[0] / total[1]).item()
-
-    def model_args_num_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
 
     def close(self) -> None:
         """Flush the run's files (the process group is left to the launcher)."""
