@@ -1,0 +1,114 @@
+"""plugtrain plugin: clip the gradients by their global norm, once per optimizer step.
+
+The total norm is the true norm of the whole model's gradient, over every parameter, rank and
+FSDP2 shard, as ``torch.nn.utils.clip_grad_norm_`` would compute it on the unsharded model.
+Clipping runs as a plain ``post_backward`` implementation, so a loss scaler in the hook
+contract's "run first" slot has already unscaled the gradients, whatever the registration order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from plugtrain.plugin import SetupContext, StepContext, check_field, hookimpl
+
+__all__ = ["GradClip", "GradClipConfig"]
+
+NAME = "grad_clip"
+"""The plugin's name: its entry point, its ``[plugins] enabled`` entry and its config section."""
+
+
+@dataclass
+class GradClipConfig:
+    max_norm: float = 1.0
+    """Clip the gradients so that their total norm is at most this (finite, > 0)."""
+    norm_type: float = 2.0
+    """Order of the total norm: 2.0 (Euclidean), any p > 0, or inf (largest absolute value)."""
+    on_nonfinite: Literal["skip", "raise"] = "skip"
+    """When the total norm is inf or nan and no loss scaler is enabled: ``skip`` vetoes the
+    optimizer step (and the LR schedule) with a logged reason; ``raise`` stops the run. With a
+    loss scaler enabled, non-finite gradients are the scaler's to handle (it skips the step)."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            0 < self.max_norm < math.inf,
+            NAME,
+            "max_norm",
+            f"must be finite and > 0, got {self.max_norm}",
+        )
+        check_field(
+            self.norm_type > 0,
+            NAME,
+            "norm_type",
+            f"must be > 0 (2.0 for the Euclidean norm, inf for the max norm), got {self.norm_type}",
+        )
+
+
+class GradClip:
+    """Clips the gradients in place in ``post_backward`` and reports the pre-clip norm."""
+
+    def __init__(self) -> None:
+        self.config = GradClipConfig()
+        self._setup: SetupContext | None = None
+        self.total_norm = torch.zeros(())
+        """The last step's pre-clip total norm: a 0-d fp32 tensor, the same on every rank."""
+
+    @hookimpl
+    def config_section(self) -> type:
+        return GradClipConfig
+
+    @hookimpl
+    def setup(self, ctx: SetupContext) -> None:
+        self.config = ctx.plugin_config(NAME)
+        # NOTE: kept to read ``ctx.loss_scalers`` at step time. Plugins' ``setup`` calls run in
+        # an unspecified order, so a scaler may register itself after this call returns.
+        self._setup = ctx
+
+    @hookimpl
+    def post_backward(self, ctx: StepContext) -> None:
+        # NOTE: a plain implementation, never tryfirst: the "run first" slot belongs to loss
+        # scalers, which unscale there, so the gradients seen here are the true ones.
+        params = [p for p in ctx.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        # NOTE: FSDP2 keeps the sharded parameters, hence their gradients, in fp32 whatever
+        # training.mixed_precision_param says (it casts only the unsharded copies used in
+        # forward and backward), so the norm is computed in fp32. On DTensor gradients the norm
+        # is a DTensor that may still be partial over ranks (Partial(max) for inf):
+        # full_tensor() all-reduces it into the global norm, the same on every rank. No .item()
+        # here: the norm stays on the device.
+        norm = torch.nn.utils.get_total_norm(grads, self.config.norm_type, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.config.max_norm, norm, foreach=True)
+        self.total_norm = norm
+
+    @hookimpl
+    def pre_step(self, ctx: StepContext) -> str | None:
+        assert self._setup is not None, "setup fires before every step"
+        if self._setup.loss_scalers:
+            return None
+        # NOTE: the veto must be a Python value, so this reads the norm: one device sync per
+        # step (on CUDA the host waits for the backward to finish before queueing the optimizer
+        # step). It is skipped when a loss scaler is enabled: non-finite gradients are then
+        # the scaler's to handle (torch's GradScaler reads its own inf flag on the host). The
+        # norm is global, so every rank takes the same decision.
+        value = self.total_norm.item()
+        if math.isfinite(value):
+            return None
+        if self.config.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"grad_clip: the total gradient norm at step {ctx.step} is {value}: the loss "
+                f"or the gradients overflowed (lower optimizer.lr, or set "
+                f"grad_clip.on_nonfinite = 'skip' to skip such steps)"
+            )
+        return f"grad_clip: total gradient norm is {value} (grad_clip.on_nonfinite = 'skip')"
+
+    @hookimpl
+    def step_metrics(self, ctx: StepContext) -> dict[str, torch.Tensor]:
+        clipped = (self.total_norm > self.config.max_norm).float()
+        return {"grad_norm": self.total_norm, "clipped": clipped}
