@@ -161,9 +161,28 @@ class Validation:
 class Metrics:
     log_freq: int = 10
     """Log a metrics line every this many steps (and on the first and last step)."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard event files to ``<dump_folder>/tensorboard`` (extra: tensorboard)."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (extra: wandb); ``WANDB_MODE=offline`` needs no network."""
+    wandb_project: str = "plugtrain"
+    """The W&B project of the run (the run is named after the dump folder)."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s per device for MFU; 0 detects it (H100, H200, A100; no MFU on CPU)."""
+    log_all_ranks: bool = False
+    """Log INFO from every rank, prefixed with its rank (by default only rank 0 does)."""
 
     def __post_init__(self) -> None:
+        from plugtrain.metrics import require_extra
+
         check_field(self.log_freq >= 1, "metrics", "log_freq", f"must be >= 1, got {self.log_freq}")
+        check_field(
+            self.peak_tflops >= 0, "metrics", "peak_tflops", f"must be >= 0, got {self.peak_tflops}"
+        )
+        if self.enable_tensorboard:
+            require_extra("tensorboard", "tensorboard", "metrics.enable_tensorboard")
+        if self.enable_wandb:
+            require_extra("wandb", "wandb", "metrics.enable_wandb")
 
 
 @dataclass

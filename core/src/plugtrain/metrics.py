@@ -1,17 +1,64 @@
-"""Step metrics: a console line and a JSONL record per logged step, on rank 0."""
+"""What a run reports: step metrics and their sinks, step timing, MFU, logging, run records.
+
+Every logged step (every ``metrics.log_freq`` steps, and the first and last) rank 0 writes one
+JSON object to ``<dump_folder>/metrics.jsonl`` and a compact line to the console. A record holds:
+
+================================  ============================================================
+``step``                          the optimizer step (1-based)
+``loss``                          training loss of the step, mean over ranks and microbatches
+``lr``                            learning rate used by the step
+``<plugin>/<key>``                a plugin's ``step_metrics`` (e.g. ``grad_clip/grad_norm``);
+                                  only core keys have no ``/``
+``tokens_per_sec``                training tokens per second over all ranks
+``tokens_per_sec_per_rank``       the same per rank
+``tflops``                        achieved model TFLOP/s per rank (``ModelArgs.flops_per_token``)
+``mfu_pct``                       model FLOPs utilisation in percent of the GPU's dense bf16
+                                  peak; absent on CPU or on a GPU of unknown peak
+``time_step_s``                   seconds per step, the sum of the four phases below
+``time_data_s``                   waiting for the batch
+``time_fwd_bwd_s``                forward and backward of every microbatch
+``time_hooks_s``                  plugin hooks (``pre_backward``, ``post_backward``,
+                                  ``pre_step``, ``post_step``)
+``time_optimizer_s``              ``optimizer.step()``, LR scheduler and ``zero_grad``
+``memory_gib``                    peak memory: CUDA max allocated, or the CPU's max RSS
+``skipped_steps``                 steps vetoed so far
+================================  ============================================================
+
+Throughput and times are means over the steps since the previous logged step. Validation writes
+records of their own: ``{"step": 50, "validation_loss": 4.75}``. A resumed run appends to the
+same file, so a step may appear twice; readers keep the last record of a step (``plugtrain
+plot`` does).
+
+Sinks: the JSONL file (always), TensorBoard (``[metrics] enable_tensorboard``, event files in
+``<dump_folder>/tensorboard``) and Weights & Biases (``[metrics] enable_wandb``; set
+``WANDB_MODE=offline`` to log without network). Each takes every key of every record.
+
+At start-up rank 0 also writes ``config.json`` (the resolved config, after overrides) and
+``run.json`` (plugins and their versions, torch, world size, device) to the dump folder.
+"""
 
 from __future__ import annotations
 
+import datetime
+import importlib.util
 import json
 import logging
 import math
+import os
+import platform
 import resource
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
+
+from plugtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from plugtrain.config import JobConfig
 
 logger = logging.getLogger("plugtrain")
 
@@ -32,60 +79,339 @@ def to_number(value: Any) -> float:
     return float(value)
 
 
-class MetricsLogger:
-    """Writes each logged step to ``<dump_folder>/metrics.jsonl`` and the console (rank 0)."""
+def require_extra(module: str, extra: str, option: str) -> None:
+    """Raise a one-line :class:`ConfigError` if optional package ``module`` is not installed.
 
-    def __init__(self, dump_folder: str, *, enabled: bool) -> None:
+    Checked when the config is built, so every rank stops before training starts.
+    """
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"{option} needs the '{module}' package, which is not installed: "
+            f"pip install 'plugtrain[{extra}]'"
+        )
+
+
+# --------------------------------------------------------------------------- step timing
+
+
+class StepTimer:
+    """Wall-clock time of each phase of the training step, summed over a logging window.
+
+    The trainer calls :meth:`start_step`, then :meth:`lap` at the end of each phase: the time
+    since the previous lap is added to that phase. Laps are ``time.perf_counter`` readings and
+    never synchronise the device. On CPU they are exact. On CUDA they are host times: a phase
+    that waits for the GPU (a ``.item()``, a full launch queue) absorbs that wait, so the split
+    is indicative; the total is exact over each window, because :meth:`window` synchronises the
+    device once, at the logging step, and counts that wait in the step's last phase.
+    """
+
+    PHASES = ("data", "fwd_bwd", "hooks", "optimizer")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._steps = 0
+        self._last = 0.0
+        self._phase = self.PHASES[-1]
+
+    def start_step(self) -> None:
+        """Start timing a step (time between steps, logging and validation, is not counted)."""
+        self._steps += 1
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Count the time since the previous lap (or :meth:`start_step`) in ``phase``."""
+        now = time.perf_counter()
+        self._seconds[phase] += now - self._last
+        self._last, self._phase = now, phase
+
+    def window(self) -> dict[str, float]:
+        """Mean seconds per step of each phase since the previous window; starts a new one.
+
+        Returns ``time_step_s`` and ``time_<phase>_s`` for each phase.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.lap(self._phase)
+        steps = max(self._steps, 1)
+        times = {f"time_{p}_s": s / steps for p, s in self._seconds.items()}
+        times = {"time_step_s": sum(times.values()), **times}
+        self._seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._steps = 0
+        return times
+
+
+# --------------------------------------------------------------------------- FLOPs and MFU
+
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's data sheets; fp16 has
+# the same peak. Matched against torch.cuda.get_device_name, most specific names first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200 NVL", 835.5),
+    ("H200", 989.5),  # H200 SXM, GH200
+    ("H100 NVL", 835.5),
+    ("H100 PCIe", 756.5),
+    ("H100", 989.5),  # H100 SXM
+    ("A100", 312.0),
+)
+
+
+def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
+    """The device's peak TFLOP/s for MFU: ``override`` if > 0, the table's entry for a known
+    GPU, else None (CPU, or an unknown GPU: MFU is then omitted rather than invented)."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
+    if peak is None:
+        logger.warning(
+            "MFU is not reported: no peak TFLOP/s known for GPU '%s'; set metrics.peak_tflops",
+            name,
+        )
+    return peak
+
+
+def throughput(
+    tokens_per_step: int,
+    step_seconds: float,
+    world_size: int,
+    flops_per_token: int,
+    peak: float | None,
+) -> dict[str, float]:
+    """Tokens per second (global and per rank), achieved TFLOP/s per rank, MFU in percent."""
+    tokens_per_sec = tokens_per_step / step_seconds
+    per_rank = tokens_per_sec / world_size
+    out = {
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_per_rank": per_rank,
+        "tflops": per_rank * flops_per_token / 1e12,
+    }
+    if peak:
+        out["mfu_pct"] = 100 * out["tflops"] / peak
+    return out
+
+
+# --------------------------------------------------------------------------- the console line
+
+_RESET = "\x1b[0m"
+_COLORS = {
+    "bold": "1", "dim": "2", "red": "31", "green": "32", "yellow": "33", "blue": "34",
+    "magenta": "35", "cyan": "36",
+}  # fmt: skip
+
+# Console fields around the plugin metrics: (record key, label, format, color).
+_LEADING = (
+    ("loss", "loss", "{:.4f}", "cyan"),
+    ("validation_loss", "val_loss", "{:.4f}", "magenta"),
+)
+_TRAILING = (
+    ("lr", "lr", "{:.2e}", ""),
+    ("tokens_per_sec", "tok/s", "{:,.0f}", "blue"),
+    ("tflops", "tflops", "{:.3g}", ""),
+    ("mfu_pct", "mfu", "{:.1f}%", "green"),
+    ("memory_gib", "mem", "{:.2f}GiB", "yellow"),
+)
+
+
+def use_color(stream: IO[str]) -> bool:
+    """Color when ``stream`` is a terminal, unless ``NO_COLOR`` is set; ``FORCE_COLOR`` forces
+    it (https://no-color.org, https://force-color.org; NO_COLOR wins)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    if os.environ.get("FORCE_COLOR"):
+        return True
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _number(value: float) -> str:
+    """A plugin metric for the console: integers as such, else 4 decimals or 3 significant."""
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return f"{value:,.0f}"
+    if 1e-3 <= abs(value) < 1e4 or not math.isfinite(value):
+        return f"{value:.4f}"
+    return f"{value:.3g}"
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"
+
+
+def format_line(record: Mapping[str, Any], color: bool = False) -> str:
+    """A compact console line for a metrics record; every key stays in the JSONL file.
+
+    ``step    10 | loss 5.1234 | grad_norm 0.8123 | lr 3.00e-03 | tok/s 5,012 | tflops 0.021 |
+    mem 0.41GiB | time 162ms (data 1.2 fb 140 hooks 0.3 opt 20)``, plus ``mfu`` when known and
+    ``skipped`` once a step was vetoed. Plugin metrics show their key without the plugin name.
+    """
+    parts = [("bold", f"step {record['step']:>5}")]
+    parts += [
+        (c, f"{label} {fmt.format(record[k])}") for k, label, fmt, c in _LEADING if k in record
+    ]
+    parts += [("", f"{k.rsplit('/', 1)[1]} {_number(v)}") for k, v in record.items() if "/" in k]
+    parts += [
+        (c, f"{label} {fmt.format(record[k])}") for k, label, fmt, c in _TRAILING if k in record
+    ]
+    if "time_step_s" in record:
+        labels = ("data", "fb", "hooks", "opt")
+        split = " ".join(
+            f"{label} {_ms(record[f'time_{phase}_s'])}"
+            for phase, label in zip(StepTimer.PHASES, labels, strict=True)
+        )
+        parts.append(("dim", f"time {_ms(record['time_step_s'])}ms ({split})"))
+    if record.get("skipped_steps"):
+        parts.append(("red", f"skipped {record['skipped_steps']}"))
+    return " | ".join(
+        f"\x1b[{_COLORS[style]}m{text}{_RESET}" if color and style else text
+        for style, text in parts
+    )
+
+
+# --------------------------------------------------------------------------- sinks
+
+
+class TensorBoardSink:
+    """Scalars into TensorBoard event files under ``folder``, one tag per record key."""
+
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        for key, value in record.items():
+            if key != "step":
+                self.writer.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run; ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` later)."""
+
+    def __init__(self, folder: Path, project: str, config: Mapping[str, Any]) -> None:
+        import wandb
+
+        self.run = wandb.init(project=project, name=folder.name, dir=str(folder), config=config)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Writes each record to ``<dump_folder>/metrics.jsonl``, the console and the optional sinks.
+
+    Only the process built with ``enabled=True`` (rank 0) writes anything.
+    """
+
+    def __init__(self, config: JobConfig, *, enabled: bool) -> None:
         self.enabled = enabled
-        self.path = Path(dump_folder) / "metrics.jsonl"
-        self._file = None
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a")
+        self.folder = Path(config.job.dump_folder)
+        self.path = self.folder / "metrics.jsonl"
+        self.color = use_color(sys.stderr)
+        self._file: IO[str] | None = None
+        self._sinks: list[TensorBoardSink | WandbSink] = []
+        if not enabled:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        cfg = config.metrics
+        if cfg.enable_tensorboard:
+            self._sinks.append(TensorBoardSink(self.folder / "tensorboard"))
+        if cfg.enable_wandb:
+            self._sinks.append(WandbSink(self.folder, cfg.wandb_project, config.to_dict()))
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Record one step's metrics; ``record`` holds ``step`` and plain numbers."""
         if not self.enabled:
             return
+        assert self._file is not None
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
-        logger.info(format_line(record))
+        for sink in self._sinks:
+            sink.write(record)
+        logger.info(format_line(record, self.color))
 
     def close(self) -> None:
+        """Flush and close every sink (idempotent)."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks.clear()
 
 
-def format_line(record: Mapping[str, Any]) -> str:
-    """A compact console line: ``step 10 | loss 5.1234 | lr 3.0e-03 | ...``."""
-    parts = [f"step {record['step']:>5}"]
-    for key, value in record.items():
-        if key == "step":
-            continue
-        short = key.rsplit("/", 1)[-1]
-        if isinstance(value, bool) or value is None:
-            parts.append(f"{short} {value}")
-        elif isinstance(value, int) or (
-            isinstance(value, float) and value.is_integer() and abs(value) >= 1e4
-        ):
-            parts.append(f"{short} {int(value):,}")
-        elif isinstance(value, float) and (
-            value == 0 or 1e-3 <= abs(value) < 1e4 or not math.isfinite(value)
-        ):
-            parts.append(f"{short} {value:.4f}")
-        else:
-            parts.append(f"{short} {value:.2e}")
-    return " | ".join(parts)
+# --------------------------------------------------------------------------- run records
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs at INFO to stderr; other ranks log warnings and errors only."""
+def write_run_records(
+    config: JobConfig, plugin_versions: Mapping[str, str], world_size: int, device: torch.device
+) -> None:
+    """Write ``config.json`` (the resolved config) and ``run.json`` to the dump folder."""
+    from plugtrain import __version__
+
+    folder = Path(config.job.dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    run = {
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "argv": sys.argv,
+        "plugins": dict(plugin_versions),
+        "plugtrain": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "world_size": world_size,
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+    for name, data in (("config.json", config.to_dict()), ("run.json", run)):
+        (folder / name).write_text(json.dumps(data, indent=2) + "\n")
+    plugins = ", ".join(f"{name} ({version})" for name, version in plugin_versions.items())
+    logger.info("plugins: %s; config and run records in %s", plugins or "none", folder)
+
+
+# --------------------------------------------------------------------------- logging
+
+
+class _OncePerMessage(logging.Filter):
+    """Let each distinct warning (or error) message through once; INFO always passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        message = record.getMessage()
+        if message in self._seen:
+            return False
+        self._seen.add(message)
+        return True
+
+
+def setup_logging(rank: int, all_ranks: bool = False) -> None:
+    """Configure the ``plugtrain`` logger for this rank.
+
+    Rank 0 logs INFO and above to stderr. Other ranks log warnings and errors only (INFO too
+    with ``all_ranks``), prefixed ``[rank N]``, so that a problem on any rank is seen. Each
+    distinct warning message is shown once per process, however often it fires. A warning that
+    every rank would raise alike (a config check) is issued by rank 0 only, by convention: one
+    copy reaches the console without a collective in the logging path. (Python's
+    ``warnings.warn`` keeps its own rule: once per code location.)
+    """
     handler = logging.StreamHandler(sys.stderr)
-    prefix = "" if rank == 0 else f"[rank{rank}] "
+    prefix = "" if rank == 0 else f"[rank {rank}] "
     handler.setFormatter(
         logging.Formatter(f"{prefix}%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
     )
+    handler.addFilter(_OncePerMessage())
     logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
     logger.propagate = False

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import warnings
 from collections.abc import Sequence
 
@@ -20,7 +19,16 @@ from plugtrain.config import JobConfig
 from plugtrain.data import PackedDataset, StatefulBatchLoader, build_dataset, iter_eval_batches
 from plugtrain.lr import build_lr_scheduler
 from plugtrain.manager import PluginHost
-from plugtrain.metrics import MetricsLogger, peak_memory_gib, setup_logging, to_number
+from plugtrain.metrics import (
+    MetricsLogger,
+    StepTimer,
+    peak_memory_gib,
+    peak_tflops,
+    setup_logging,
+    throughput,
+    to_number,
+    write_run_records,
+)
 from plugtrain.model import FLAVORS, Transformer
 from plugtrain.parallel import DTYPES, World, all_reduce_mean, init_world, shard_model
 from plugtrain.plugin import SetupContext, StepContext
@@ -43,7 +51,7 @@ class Trainer:
         self.config, self.plugins, self.hook = config, plugins, plugins.hook
         train_cfg = config.training
         self.world: World = init_world(train_cfg.device)
-        setup_logging(self.world.rank)
+        setup_logging(self.world.rank, config.metrics.log_all_ranks)
         self.device = self.world.device
         self.param_dtype = DTYPES[train_cfg.mixed_precision_param]
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
@@ -96,7 +104,11 @@ class Trainer:
         self.tokens_seen = 0
         """Training tokens consumed, over all ranks."""
         self.skipped_steps = 0
-        self.metrics = MetricsLogger(config.job.dump_folder, enabled=self.world.is_main)
+        self.metrics = MetricsLogger(config, enabled=self.world.is_main)
+        self.timer = StepTimer(self.device)
+        self.peak_tflops = peak_tflops(self.device, config.metrics.peak_tflops)
+        if self.world.is_main:
+            write_run_records(config, plugins.versions, self.world.world_size, self.device)
         self._setup_plugins()
 
     def _build_model(self) -> nn.Module:
@@ -136,24 +148,32 @@ class Trainer:
     def train_step(self, batch: Batch) -> tuple[torch.Tensor, StepContext]:
         """One optimizer step over ``batch``'s microbatches; returns the mean loss and context."""
         ctx = StepContext(self.step + 1, len(batch), self.model, self.optimizer)
+        lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
         for ctx.microbatch, (inputs, targets) in enumerate(batch):
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             ctx.loss = cross_entropy(self.model(inputs), targets) / len(batch)
             loss_sum += ctx.loss.detach()
+            lap("fwd_bwd")
             self.hook.pre_backward(ctx=ctx)
+            lap("hooks")
             ctx.loss.backward()
+        lap("fwd_bwd")
         self.hook.post_backward(ctx=ctx)
         ctx.skip_reasons = [r for r in self.hook.pre_step(ctx=ctx) if r]
         ctx.skipped = bool(ctx.skip_reasons)
+        lap("hooks")
         if ctx.skipped:
             self.skipped_steps += 1
             logger.info("step %d skipped: %s", ctx.step, "; ".join(ctx.skip_reasons))
         else:
             self.optimizer.step()
             self.lr_scheduler.step()
+        lap("optimizer")
         self.hook.post_step(ctx=ctx)
+        lap("hooks")
         self.optimizer.zero_grad(set_to_none=True)
+        lap("optimizer")
         self.step = ctx.step
         self.tokens_seen += self.config.training.batch_size * self.config.training.seq_len
         return loss_sum, ctx
@@ -171,29 +191,36 @@ class Trainer:
             cfg.training.mixed_precision_param,
         )
         self.model.train()
-        last_time, last_step = time.perf_counter(), self.step
         while self.step < cfg.training.steps:
             lr = self.lr_scheduler.get_last_lr()[0]
-            loss, ctx = self.train_step(self.loader.next_batch())
+            self.timer.start_step()
+            batch = self.loader.next_batch()
+            self.timer.lap("data")
+            loss, ctx = self.train_step(batch)
             if self._due(cfg.metrics.log_freq) or self.step == 1:
-                now = time.perf_counter()
-                self._log_step(loss, ctx, lr, (now - last_time) / (self.step - last_step))
-                last_time, last_step = time.perf_counter(), self.step
+                self._log_step(loss, ctx, lr)
             if self.val_data is not None and self._due(cfg.validation.interval):
                 self.metrics.log({"step": self.step, "validation_loss": self.validate()})
 
     def _due(self, every: int) -> bool:
         return self.step % every == 0 or self.step == self.config.training.steps
 
-    def _log_step(self, loss: torch.Tensor, ctx: StepContext, lr: float, step_time: float) -> None:
+    def _log_step(self, loss: torch.Tensor, ctx: StepContext, lr: float) -> None:
+        times = self.timer.window()
         global_loss = all_reduce_mean(loss, self.world.world_size)
         record = {"step": self.step, "loss": to_number(global_loss), "lr": lr}
         for plugin, metrics in self.plugins.call_each("step_metrics", ctx=ctx).items():
             record.update({f"{plugin}/{k}": to_number(v) for k, v in metrics.items()})
-        tokens = self.config.training.batch_size * self.config.training.seq_len
+        train_cfg = self.config.training
         record.update(
-            tokens_per_sec=tokens / step_time,
-            tokens_per_sec_per_rank=tokens / step_time / self.world.world_size,
+            throughput(
+                train_cfg.batch_size * train_cfg.seq_len,
+                times["time_step_s"],
+                self.world.world_size,
+                self.model_args.flops_per_token(train_cfg.seq_len),
+                self.peak_tflops,
+            ),
+            **times,
             memory_gib=peak_memory_gib(self.device),
             skipped_steps=self.skipped_steps,
         )

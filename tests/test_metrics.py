@@ -1,0 +1,317 @@
+"""Step metrics: the JSONL record, its sinks (TensorBoard, W&B), timing, MFU, console, logging."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.machinery
+import io
+import json
+import logging
+import math
+import re
+import sys
+import types
+
+import pytest
+import torch
+from conftest import read_metrics
+from runs import REPO, VALIDATION, tiny_args
+
+from plugtrain import metrics
+from plugtrain.errors import ConfigError
+from plugtrain.launch import configure
+from plugtrain.metrics import StepTimer, format_line, peak_tflops, throughput, use_color
+from plugtrain.model import FLAVORS
+from plugtrain.tokenizer import Tokenizer
+from plugtrain.trainer import Trainer
+
+PHASE_KEYS = ["time_data_s", "time_fwd_bwd_s", "time_hooks_s", "time_optimizer_s"]
+STEP_KEYS = {
+    "step", "loss", "lr", "tokens_per_sec", "tokens_per_sec_per_rank", "tflops",
+    "time_step_s", *PHASE_KEYS, "memory_gib", "skipped_steps",
+}  # fmt: skip
+TOKENS_PER_STEP = 4 * 32  # tiny_args: batch 4 x 32 tokens
+TOKENIZER = REPO / "data" / "shakespeare" / "tokenizer.json"
+
+
+def train(folder, *args: str, steps: int = 3) -> Trainer:
+    """Train the tiny model in this process (see runs.tiny_args); returns the closed trainer."""
+    config, host = configure([*tiny_args(folder, steps=steps), *args])
+    trainer = Trainer(config, host)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A 30-step run with hook_recorder (vetoing step 3), validation and TensorBoard on."""
+    folder = tmp_path_factory.mktemp("recorded")
+    train(
+        folder,
+        "--plugins.enabled", "hook_recorder", "--hook_recorder.veto_steps", "[3]",
+        "--validation.interval", "10", "--validation.steps", "2",
+        "--data.validation_path", str(VALIDATION),
+        "--metrics.enable_tensorboard", "true",
+        steps=30,
+    )  # fmt: skip
+    return folder, read_metrics(folder)
+
+
+def test_step_records_hold_the_documented_fields_with_sane_values(recorded):
+    _, records = recorded
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 31))  # log_freq 1
+    vocab = Tokenizer.from_file(str(TOKENIZER)).vocab_size
+    flops_per_token = dataclasses.replace(FLAVORS["tiny"], vocab_size=vocab).flops_per_token(32)
+    for r in steps:
+        assert set(r) == STEP_KEYS | {"hook_recorder/vetoed_steps"}, r  # no mfu_pct on CPU
+        assert math.isfinite(r["loss"]) and 0 < r["lr"] <= 3e-3
+        assert r["time_step_s"] == pytest.approx(sum(r[k] for k in PHASE_KEYS))
+        assert r["time_fwd_bwd_s"] > 0 and all(r[k] >= 0 for k in PHASE_KEYS)
+        assert r["tokens_per_sec"] == pytest.approx(TOKENS_PER_STEP / r["time_step_s"])
+        assert r["tokens_per_sec_per_rank"] == r["tokens_per_sec"] > 0  # one rank
+        assert r["tflops"] == pytest.approx(r["tokens_per_sec"] * flops_per_token / 1e12)
+        assert 0.05 < r["memory_gib"] < 64
+        vetoed = int(r["step"] >= 3)
+        assert r["skipped_steps"] == r["hook_recorder/vetoed_steps"] == vetoed
+    losses = [r["loss"] for r in steps]
+    assert losses[0] > math.log(vocab)  # a fresh model is no better than uniform
+    assert max(losses[-5:]) < losses[0] - 0.5, losses
+    validation = [r for r in records if "validation_loss" in r]
+    assert [(set(r), r["step"]) for r in validation] == [
+        ({"step", "validation_loss"}, s) for s in (10, 20, 30)
+    ]
+    assert validation[-1]["validation_loss"] < validation[0]["validation_loss"]
+
+
+def test_plugin_metrics_absent_without_the_plugin(tmp_path):
+    train(tmp_path, steps=2)
+    for record in read_metrics(tmp_path):
+        assert set(record) == STEP_KEYS
+
+
+def test_resolved_config_and_plugin_versions_written_at_start(recorded):
+    folder, _ = recorded
+    config = json.loads((folder / "config.json").read_text())
+    assert config["training"]["steps"] == 30  # the command-line override
+    assert config["model"]["flavor"] == "tiny"
+    assert config["hook_recorder"] == {"output": "", "veto_steps": [3]}  # the plugin's section
+    run = json.loads((folder / "run.json").read_text())
+    assert run["plugins"] == {"hook_recorder": "plugtrain-hook-recorder 0.1.0"}
+    assert run["torch"] == torch.__version__ and run["world_size"] == 1
+    assert (run["device"], run["gpu"]) == ("cpu", None)
+
+
+def test_tensorboard_events_read_back_equal_the_jsonl(recorded):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder, records = recorded
+    events = EventAccumulator(str(folder / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == (STEP_KEYS - {"step"}) | {"hook_recorder/vetoed_steps", "validation_loss"}
+    for tag in ("loss", "validation_loss", "tokens_per_sec", "hook_recorder/vetoed_steps"):
+        expected = [(r["step"], r[tag]) for r in records if tag in r]
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert [s for s, _ in got] == [s for s, _ in expected]
+        assert [v for _, v in got] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+
+class FakeWandb(types.ModuleType):
+    """Records the calls plugtrain makes to the ``wandb`` module (no network, no service)."""
+
+    def __init__(self) -> None:
+        super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.init_kwargs: dict = {}
+        self.logged: list[tuple[dict, int]] = []
+        self.finished = False
+
+    def init(self, **kwargs):
+        self.init_kwargs = kwargs
+        return self
+
+    def log(self, values: dict, step: int) -> None:
+        self.logged.append((values, step))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+def test_wandb_gets_every_record_and_the_config(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train(tmp_path, "--metrics.enable_wandb", "true", "--metrics.wandb_project", "shakespeare")
+    kwargs = fake.init_kwargs
+    assert (kwargs["project"], kwargs["name"], kwargs["dir"]) == (
+        "shakespeare", tmp_path.name, str(tmp_path)
+    )  # fmt: skip
+    assert kwargs["config"]["training"]["steps"] == 3
+    records = read_metrics(tmp_path)
+    assert fake.logged == [
+        ({k: v for k, v in r.items() if k != "step"}, r["step"]) for r in records
+    ]
+    assert fake.finished
+
+
+@pytest.mark.parametrize(
+    ("option", "module", "extra"),
+    [("enable_tensorboard", "tensorboard", "tensorboard"), ("enable_wandb", "wandb", "wandb")],
+)
+def test_missing_optional_package_is_one_line_naming_the_extra(
+    tmp_path, monkeypatch, option, module, extra
+):
+    monkeypatch.setitem(sys.modules, module, None)  # import and find_spec now fail
+    with pytest.raises(ConfigError) as e:
+        configure([*tiny_args(tmp_path), f"--metrics.{option}", "true"])
+    assert str(e.value) == (
+        f"metrics.{option} needs the '{module}' package, which is not installed: "
+        f"pip install 'plugtrain[{extra}]'"
+    )
+
+
+def fake_clock(monkeypatch, readings: list[float]) -> None:
+    ticks = iter(readings)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(ticks))
+
+
+def test_step_timer_splits_each_step_into_phases_and_averages_a_window(monkeypatch):
+    timer = StepTimer(torch.device("cpu"))
+    steps = [  # (phase ended, clock reading); None starts the step
+        [(None, 0.0), ("data", 0.1), ("fwd_bwd", 1.1), ("hooks", 1.2), ("fwd_bwd", 2.2),
+         ("hooks", 2.4), ("optimizer", 3.4)],
+        [(None, 10.0), ("data", 10.3), ("fwd_bwd", 11.3), ("hooks", 11.4), ("optimizer", 12.4)],
+    ]  # fmt: skip
+    fake_clock(monkeypatch, [t for step in steps for _, t in step])
+    for step in steps:
+        for phase, _ in step:
+            timer.start_step() if phase is None else timer.lap(phase)
+    assert timer.window() == pytest.approx(
+        {
+            "time_step_s": (3.4 + 2.4) / 2,
+            "time_data_s": (0.1 + 0.3) / 2,
+            "time_fwd_bwd_s": (2.0 + 1.0) / 2,
+            "time_hooks_s": (0.3 + 0.1) / 2,
+            "time_optimizer_s": (1.0 + 1.0) / 2,
+        }
+    )
+    assert timer.window()["time_step_s"] == 0  # a new, empty window
+
+
+def test_throughput_tflops_and_mfu():
+    out = throughput(4096, 0.5, 8, 6_000_000, peak=989.5)
+    assert out["tokens_per_sec"] == 8192 and out["tokens_per_sec_per_rank"] == 1024
+    assert out["tflops"] == pytest.approx(1024 * 6e6 / 1e12)
+    assert out["mfu_pct"] == pytest.approx(100 * out["tflops"] / 989.5)
+    assert "mfu_pct" not in throughput(4096, 0.5, 8, 6_000_000, peak=None)
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.5),
+        ("NVIDIA H100 PCIe", 756.5),
+        ("NVIDIA H100 NVL", 835.5),
+        ("NVIDIA H200", 989.5),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100 80GB PCIe", 312.0),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_peak_of_the_detected_gpu(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(torch.device("cuda", 0)) == peak
+    assert peak_tflops(torch.device("cuda", 0), override=100.0) == 100.0
+
+
+def test_no_peak_and_no_mfu_on_cpu():
+    assert peak_tflops(torch.device("cpu")) is None
+
+
+RECORD = {
+    "step": 20, "loss": 5.123456, "lr": 0.003, "grad_clip/grad_norm": 0.81234,
+    "grad_scaler/loss_scale": 65536.0, "tokens_per_sec": 5012.4, "tokens_per_sec_per_rank": 2506.2,
+    "tflops": 0.0213, "mfu_pct": 41.23, "time_step_s": 0.16234, "time_data_s": 0.0012,
+    "time_fwd_bwd_s": 0.14, "time_hooks_s": 0.0003, "time_optimizer_s": 0.021,
+    "memory_gib": 0.4112, "skipped_steps": 2,
+}  # fmt: skip
+LINE = (
+    "step    20 | loss 5.1235 | grad_norm 0.8123 | loss_scale 65,536 | lr 3.00e-03 | "
+    "tok/s 5,012 | tflops 0.0213 | mfu 41.2% | mem 0.41GiB | "
+    "time 162ms (data 1.2 fb 140 hooks 0.30 opt 21.0) | skipped 2"
+)
+
+
+def test_console_line_format():
+    assert format_line(RECORD) == LINE
+    assert format_line({"step": 50, "validation_loss": 4.75}) == "step    50 | val_loss 4.7500"
+    quiet = {k: v for k, v in RECORD.items() if k not in ("mfu_pct", "skipped_steps")}
+    assert format_line({**quiet, "skipped_steps": 0}) == LINE.replace(" | mfu 41.2%", "").replace(
+        " | skipped 2", ""
+    )
+
+
+def test_console_line_colors_only_decorate():
+    colored = format_line(RECORD, color=True)
+    assert "\x1b[1mstep    20\x1b[0m" in colored and "\x1b[36mloss 5.1235\x1b[0m" in colored
+    assert re.sub(r"\x1b\[\d+m", "", colored) == LINE
+
+
+class Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(
+    ("env", "tty", "expected"),
+    [
+        ({}, True, True),
+        ({}, False, False),
+        ({"FORCE_COLOR": "1"}, False, True),
+        ({"NO_COLOR": "1"}, True, False),
+        ({"NO_COLOR": "1", "FORCE_COLOR": "1"}, True, False),
+        ({"NO_COLOR": ""}, True, True),  # set but empty: ignored (no-color.org)
+    ],
+)
+def test_color_when_a_terminal_unless_no_color(monkeypatch, env, tty, expected):
+    for name in ("NO_COLOR", "FORCE_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert use_color(Stream(tty)) is expected
+
+
+@pytest.fixture
+def restore_logger():
+    log = logging.getLogger("plugtrain")
+    saved = log.handlers[:], log.level, log.propagate
+    yield log
+    log.handlers[:], log.level, log.propagate = saved
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_0_logs_info_other_ranks_warnings_once_with_their_rank(capsys, restore_logger, rank):
+    metrics.setup_logging(rank)
+    log = restore_logger
+    log.info("step line")
+    for _ in range(3):
+        log.warning("loss scale fell to %d", 1)
+    log.warning("another warning")
+    lines = capsys.readouterr().err.splitlines()
+    messages = [re.sub(r"^(\[rank \d\] )?\d\d:\d\d:\d\d ", "", line) for line in lines]
+    expected = ["WARNING loss scale fell to 1", "WARNING another warning"]
+    assert messages == (["INFO step line", *expected] if rank == 0 else expected)
+    assert all(line.startswith("[rank 1] ") for line in lines) == (rank == 1)
+
+
+def test_all_ranks_option_logs_info_everywhere(capsys, restore_logger):
+    metrics.setup_logging(3, all_ranks=True)
+    restore_logger.info("hello")
+    assert re.fullmatch(r"\[rank 3\] \d\d:\d\d:\d\d INFO hello\n", capsys.readouterr().err)
