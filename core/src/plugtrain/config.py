@@ -167,6 +167,9 @@ class Metrics:
     """Also log to Weights & Biases (extra: wandb); ``WANDB_MODE=offline`` needs no network."""
     wandb_project: str = "plugtrain"
     """The W&B project of the run (the run is named after the dump folder)."""
+    trace_hooks: bool = False
+    """Trace every hook call (plugins, order, time) to ``<dump_folder>/hook_trace.rank<N>.jsonl``
+    and summarise per-plugin time at the end; ``PLUGTRAIN_TRACE_HOOKS=1`` or ``0`` overrides."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s per device for MFU; 0 detects it (H100, H200, A100; no MFU on CPU)."""
     log_all_ranks: bool = False

@@ -33,6 +33,7 @@ from plugtrain.model import FLAVORS, Transformer
 from plugtrain.parallel import DTYPES, World, all_reduce_mean, init_world, shard_model
 from plugtrain.plugin import SetupContext, StepContext
 from plugtrain.tokenizer import Tokenizer
+from plugtrain.trace import HookTracer, tracing_requested
 
 logger = logging.getLogger("plugtrain")
 
@@ -107,6 +108,9 @@ class Trainer:
         self.metrics = MetricsLogger(config, enabled=self.world.is_main)
         self.timer = StepTimer(self.device)
         self.peak_tflops = peak_tflops(self.device, config.metrics.peak_tflops)
+        self.tracer: HookTracer | None = None
+        if tracing_requested(config.metrics.trace_hooks):
+            self.tracer = HookTracer.install(plugins, config.job.dump_folder, self.world.rank)
         if self.world.is_main:
             write_run_records(config, plugins.versions, self.world.world_size, self.device)
         self._setup_plugins()
@@ -247,4 +251,7 @@ class Trainer:
 
     def close(self) -> None:
         """Flush the run's files (the process group is left to the launcher)."""
+        if self.tracer is not None:
+            self.tracer.close()
+            self.tracer = None
         self.metrics.close()

@@ -1,0 +1,220 @@
+"""The hook trace: plugins, order and time of every hook call; nothing at all when off."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pluggy
+import pytest
+from runs import tiny_args
+
+from plugtrain import trace
+from plugtrain.errors import ConfigError
+from plugtrain.launch import configure
+from plugtrain.manager import PluginHost
+from plugtrain.plugin import StepContext, hookimpl
+from plugtrain.trace import HookTracer, format_summary, tracing_requested
+from plugtrain.trainer import Trainer
+
+
+def read_trace(folder, rank: int = 0) -> tuple[list[dict], dict]:
+    """The per-call records and the closing summary of a trace file."""
+    lines = [json.loads(line) for line in (folder / f"hook_trace.rank{rank}.jsonl").open()]
+    assert "summary" in lines[-1]
+    return lines[:-1], lines[-1]["summary"]
+
+
+class Plain:
+    def __init__(self, log: list[str], sleep: float = 0.0) -> None:
+        self.log, self.sleep = log, sleep
+
+    @hookimpl
+    def post_backward(self, ctx):
+        time.sleep(self.sleep)
+        self.log.append("plain")
+
+    @hookimpl
+    def step_metrics(self, ctx):
+        return {"x": 1.0}
+
+
+class First:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    @hookimpl(tryfirst=True)
+    def post_backward(self, ctx):
+        self.log.append("first")
+
+
+class Wrapper:
+    """A ``wrapper=True`` implementation that sleeps before and after the ones it wraps."""
+
+    def __init__(self, log: list[str], sleep: float) -> None:
+        self.log, self.sleep = log, sleep
+
+    @hookimpl(wrapper=True)
+    def post_backward(self, ctx):
+        time.sleep(self.sleep)
+        self.log.append("wrapper before")
+        result = yield
+        time.sleep(self.sleep)
+        self.log.append("wrapper after")
+        return result
+
+
+class Failing:
+    @hookimpl
+    def pre_step(self, ctx):
+        raise RuntimeError("boom")
+
+
+def step_ctx(step: int) -> StepContext:
+    return StepContext(step=step, num_microbatches=1, model=None, optimizer=None)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_trace_lists_plugins_in_the_order_they_ran_with_their_times(tmp_path, reverse):
+    log: list[str] = []
+    plugins = [
+        ("plain", Plain(log, sleep=0.1)),
+        ("first", First(log)),
+        ("wrapper", Wrapper(log, sleep=0.01)),
+    ]
+    host = PluginHost()
+    for name, plugin in plugins[::-1] if reverse else plugins:
+        host.register(plugin, name)
+    tracer = HookTracer.install(host, tmp_path, rank=0)
+    host.hook.post_backward(ctx=step_ctx(7))
+    host.hook.pre_backward(ctx=step_ctx(7))  # implemented by no plugin
+    assert host.call_each("step_metrics", ctx=step_ctx(7)) == {"plain": {"x": 1.0}}
+    tracer.close()
+
+    assert log == ["wrapper before", "first", "plain", "wrapper after"]
+    calls, summary = read_trace(tmp_path)
+    assert [(c["hook"], c["step"]) for c in calls] == [
+        ("post_backward", 7), ("pre_backward", 7), ("step_metrics", 7)
+    ]  # fmt: skip
+    post_backward = calls[0]
+    assert [p["plugin"] for p in post_backward["plugins"]] == ["wrapper", "first", "plain"]
+    ms = {p["plugin"]: p["ms"] for p in post_backward["plugins"]}
+    assert post_backward["plugins"][0]["wrapper"] is True
+    assert ms["plain"] >= 100
+    assert 20 <= ms["wrapper"] < 100  # its own code only, not the 100 ms of "plain" it wraps
+    assert post_backward["ms"] >= sum(ms.values())
+    assert calls[1]["plugins"] == []
+    assert [p["plugin"] for p in calls[2]["plugins"]] == ["plain"]
+    assert summary["plugins"]["plain"]["post_backward"]["calls"] == 1
+    assert summary["plugins"]["plain"]["step_metrics"]["calls"] == 1
+    assert summary["hooks"]["pre_backward"]["calls"] == 1
+
+
+def test_close_restores_the_plugins_functions_and_removes_monitoring(tmp_path):
+    host = PluginHost()
+    plain = Plain([])
+    host.register(plain, "plain")
+    impl = host.hook.post_backward.get_hookimpls()[0]
+    tracer = HookTracer.install(host, tmp_path, rank=3)
+    assert impl.function != plain.post_backward
+    assert host.pm._inner_hookexec is not pluggy._callers._multicall
+    tracer.close()
+    assert impl.function == plain.post_backward
+    assert host.pm._inner_hookexec is pluggy._callers._multicall
+    host.hook.post_backward(ctx=step_ctx(1))  # no longer traced
+    calls, _ = read_trace(tmp_path, rank=3)
+    assert calls == []
+
+
+def test_a_failing_implementation_is_traced_and_its_error_reaches_the_caller(tmp_path):
+    host = PluginHost()
+    host.register(Failing(), "failing")
+    tracer = HookTracer.install(host, tmp_path, rank=0)
+    with pytest.raises(RuntimeError, match="boom"):
+        host.hook.pre_step(ctx=step_ctx(2))
+    host.hook.post_step(ctx=step_ctx(2))
+    tracer.close()
+    calls, _ = read_trace(tmp_path)
+    assert [(c["hook"], c.get("error")) for c in calls] == [
+        ("pre_step", "RuntimeError"), ("post_step", None)
+    ]  # fmt: skip
+    assert [p["plugin"] for p in calls[0]["plugins"]] == ["failing"]
+
+
+def test_a_traced_run_lists_every_hook_call_in_order(tmp_path, monkeypatch):
+    monkeypatch.setenv(trace.ENV_VAR, "1")
+    config, host = configure(
+        [*tiny_args(tmp_path, steps=3), "--plugins.enabled", "hook_recorder",
+         "--training.grad_accum_steps", "2"]
+    )  # fmt: skip
+    trainer = Trainer(config, host)
+    trainer.train()
+    trainer.close()
+    calls, summary = read_trace(tmp_path)
+    recorder = trainer.plugins.get("hook_recorder")
+    seen = [(c.hook, c.step, c.microbatch) for c in recorder.calls]  # what the plugin saw
+    assert seen[:5] == [("setup", 0, 0), ("pre_backward", 1, 0), ("pre_backward", 1, 1),
+                        ("post_backward", 1, 1), ("pre_step", 1, 1)]  # fmt: skip
+    traced = [(c["hook"], c["step"] or 0, c["microbatch"] or 0) for c in calls]
+    assert traced == seen
+    assert all([p["plugin"] for p in c["plugins"]] == ["hook_recorder"] for c in calls)
+    counts = {hook: t["calls"] for hook, t in summary["plugins"]["hook_recorder"].items()}
+    assert counts == {
+        "setup": 1, "pre_backward": 6, "post_backward": 3, "pre_step": 3, "post_step": 3,
+        "step_metrics": 3,
+    }  # fmt: skip
+
+
+def test_tracing_off_installs_nothing_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv(trace.ENV_VAR, raising=False)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tracing is off: no tracer may be built")
+
+    monkeypatch.setattr(HookTracer, "__init__", refuse)
+    config, host = configure([*tiny_args(tmp_path, steps=2), "--plugins.enabled", "hook_recorder"])
+    trainer = Trainer(config, host)
+    trainer.train()
+    trainer.close()
+    recorder = trainer.plugins.get("hook_recorder")
+    for hook_name in host.hook_names():
+        for impl in getattr(host.hook, hook_name).get_hookimpls():
+            assert impl.function == getattr(recorder, hook_name)  # the plugin's own method
+    assert host.pm._inner_hookexec is pluggy._callers._multicall  # no monitoring
+    assert not list(tmp_path.glob("hook_trace*"))
+
+
+@pytest.mark.parametrize(
+    ("env", "option", "expected"),
+    [(None, False, False), (None, True, True), ("1", False, True), ("0", True, False)],
+)
+def test_environment_variable_overrides_the_option(monkeypatch, env, option, expected):
+    if env is None:
+        monkeypatch.delenv(trace.ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(trace.ENV_VAR, env)
+    assert tracing_requested(option) is expected
+
+
+def test_bad_environment_value_is_one_line(monkeypatch):
+    monkeypatch.setenv(trace.ENV_VAR, "verbose")
+    with pytest.raises(ConfigError, match=r"PLUGTRAIN_TRACE_HOOKS='verbose': use 1 .* or 0"):
+        tracing_requested(False)
+
+
+def test_summary_table():
+    summary = {
+        "plugins": {
+            "a": {"post_backward": {"calls": 4, "ms": 2.0}, "pre_step": {"calls": 4, "ms": 1.0}},
+            "b": {"post_backward": {"calls": 4, "ms": 8.0}},
+        },
+        "hooks": {"post_backward": {"calls": 4, "ms": 10.5}, "pre_step": {"calls": 4, "ms": 1.2}},
+    }
+    assert format_summary(summary).splitlines() == [
+        "  plugin        hook           calls  total ms  mean ms",
+        "  a             post_backward      4     2.000   0.5000",
+        "  a             pre_step           4     1.000   0.2500",
+        "  a             (all)              8     3.000   0.3750",
+        "  b             post_backward      4     8.000   2.0000",
+        "  (hook calls)  (all)              8    11.700   1.4625",
+    ]
