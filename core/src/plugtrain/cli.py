@@ -1,4 +1,8 @@
-"""The ``plugtrain`` command: ``plugtrain plugins [--config FILE] [--plugins.enabled ...]``."""
+"""The ``plugtrain`` command.
+
+plugtrain plugins [--config FILE] [--plugins.enabled ...]   # installed plugins and hooks
+plugtrain plot RUN_DIR [RUN_DIR ...] -o metrics.png         # draw and compare runs
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import sys
 from plugtrain.config import enabled_plugins, merged_values, parse_command_line
 from plugtrain.launch import run_cli
 from plugtrain.manager import PluginHost, installed_plugins
+from plugtrain.plot import plot_runs
 
 
 def list_plugins(config_args: list[str]) -> int:
@@ -39,8 +44,19 @@ def main(argv: list[str] | None = None) -> int:
         help="list installed plugins and the hooks they implement",
         description="Takes --config FILE and --plugins.enabled NAMES, as train.py does.",
     )
-    _, config_args = parser.parse_known_args(argv)
-    return run_cli(lambda: list_plugins(config_args))
+    plot = sub.add_parser(
+        "plot",
+        help="draw loss, grad_norm, loss_scale and throughput of one or several runs",
+        description="Reads each run's metrics.jsonl; needs matplotlib (plugtrain[plot]).",
+    )
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's dump folder")
+    plot.add_argument("-o", "--output", default="metrics.png", help="image file (.png, .svg, .pdf)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "plot":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return run_cli(lambda: print(f"wrote {plot_runs(args.runs, args.output)}"))
+    return run_cli(lambda: list_plugins(rest))
 
 
 if __name__ == "__main__":
