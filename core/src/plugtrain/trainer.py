@@ -107,7 +107,10 @@ class Trainer:
         self.skipped_steps = 0
         self.metrics = MetricsLogger(config, enabled=self.world.is_main)
         self.timer = StepTimer(self.device)
-        self.peak_tflops = peak_tflops(self.device, config.metrics.peak_tflops)
+        # NOTE: only rank 0 logs metrics, so only it looks the peak up (and warns if unknown).
+        self.peak_tflops = (
+            peak_tflops(self.device, config.metrics.peak_tflops) if self.world.is_main else None
+        )
         self.tracer: HookTracer | None = None
         if tracing_requested(config.metrics.trace_hooks):
             self.tracer = HookTracer.install(plugins, config.job.dump_folder, self.world.rank)
