@@ -1,9 +1,11 @@
-"""The contributor workflow's pieces: the commit-message rules."""
+"""The contributor workflow's pieces: the commit-message rules and the plugin template."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # the scripts under test are plain modules there
 
 import check_commit_msg  # noqa: E402
+import new_plugin  # noqa: E402
 
 SOURCE_ID = "ghstack-source-id: 6b1b8ea2c1d84e0c9c0f62a7bd64b3c3e58c9a0e"
 PULL_REQUEST = "Pull-Request: https://github.com/plugtrain/plugtrain/pull/12"
@@ -111,3 +114,87 @@ def test_ci_checks_the_orig_commit_of_a_ghstack_pull_request():
         "origin/gh/alice/12/orig^!"
     ]
     assert check_commit_msg.pull_request_revisions("fix-warmup", "b..h") == ["b..h"]
+
+
+# -- the plugin template ---------------------------------------------------------------
+
+
+@pytest.fixture
+def workspace(tmp_path, repo) -> Path:
+    """The files new_plugin.py works on: the template and requirements-dev.txt."""
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "templates").symlink_to(repo / "templates")
+    (tmp_path / "requirements-dev.txt").write_text(
+        "pytest>=8\n-e ./core\n-e ./plugins/alpha\n-e ./plugins/omega\n"
+    )
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", ["ab", "my_" + "x" * (new_plugin.MAX_NAME - 3)])
+def test_new_plugin_is_the_template_renamed(workspace, name):
+    folder = new_plugin.new_plugin(workspace, name)
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    assert files == [
+        "README.md",
+        "pyproject.toml",
+        f"src/plugtrain_{name}/__init__.py",
+        f"tests/test_{name}.py",
+    ]
+    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "plugtrain-" + name.replace("_", "-")
+    assert project["entry-points"]["plugtrain.plugins"] == {
+        name: f"plugtrain_{name}:{new_plugin.spellings(name)['TemplatePlugin']}"
+    }
+    for path in folder.rglob("*"):
+        if path.is_file():
+            assert "template" not in path.read_text().replace("templates/plugin", ""), path
+    for ruff in (["check", "--no-cache"], ["format", "--check", "--no-cache"]):
+        # The shortest and the longest name: lines shrink and grow, they must stay clean.
+        lint = subprocess.run(
+            [sys.executable, "-m", "ruff", *ruff, str(folder)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        assert lint.returncode == 0, lint.stdout
+    # Inserted among the plugin lines in alphabetical order, the rest untouched.
+    assert (workspace / "requirements-dev.txt").read_text().splitlines() == [
+        "pytest>=8",
+        "-e ./core",
+        *(f"-e ./plugins/{plugin}" for plugin in sorted(["alpha", "omega", name])),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("Grad-Clip", "plugin name 'Grad-Clip' must be lowercase words joined by '_'"),
+        ("class", "plugin name 'class' must be lowercase words joined by '_'"),
+        ("x" * 33, "is longer than 32 characters"),
+        ("alpha", "already exists: choose another name"),
+    ],
+)
+def test_new_plugin_refuses_bad_names(workspace, name, error):
+    (workspace / "plugins" / "alpha").mkdir()
+    with pytest.raises(new_plugin.NewPluginError, match=error):
+        new_plugin.new_plugin(workspace, name)
+
+
+def test_requirements_are_merged_with_the_union_driver(repo):
+    attributes = git(repo, "check-attr", "merge", "--", "requirements-dev.txt")
+    assert attributes == "requirements-dev.txt: merge: union"
+
+
+def test_requirements_name_each_distribution_once(repo):
+    """The union driver keeps both sides of a line that two stacks edited differently; this
+    catches the leftover (two torch pins, ``-e ./core`` next to ``-e ./core[extra]``)."""
+    names = []
+    for line in (repo / "requirements-dev.txt").read_text().splitlines():
+        requirement = line.split("#")[0].strip().removeprefix("-e ").strip()
+        if requirement:
+            names.append(re.split(r"[\[<>=!~;\s]", requirement, maxsplit=1)[0].lower())
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    assert not duplicates, (
+        f"requirements-dev.txt names {duplicates} more than once (a union merge of two edits "
+        "of the same line): keep the right one"
+    )
