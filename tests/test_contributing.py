@@ -1,10 +1,14 @@
-"""The contributor workflow's pieces: the commit-message rules and the plugin template."""
+"""The contributor workflow's pieces: the commit-message rules, the plugin template, the
+``pre-ghstack`` hook and the stack check."""
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -15,6 +19,7 @@ sys.path.insert(0, str(REPO / "scripts"))  # the scripts under test are plain mo
 
 import check_commit_msg  # noqa: E402
 import new_plugin  # noqa: E402
+import stack_check  # noqa: E402
 
 SOURCE_ID = "ghstack-source-id: 6b1b8ea2c1d84e0c9c0f62a7bd64b3c3e58c9a0e"
 PULL_REQUEST = "Pull-Request: https://github.com/plugtrain/plugtrain/pull/12"
@@ -198,3 +203,111 @@ def test_requirements_name_each_distribution_once(repo):
         f"requirements-dev.txt names {duplicates} more than once (a union merge of two edits "
         "of the same line): keep the right one"
     )
+
+
+# -- the pre-ghstack hook ----------------------------------------------------------------
+
+
+def test_install_hook_writes_the_pre_ghstack_hook_ghstack_runs(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    hook = stack_check.install_hook(repo, ["plugins", "-q"])
+    assert hook == repo / ".git" / "hooks" / "pre-ghstack"
+    assert hook.stat().st_mode & stat.S_IXUSR
+    text = hook.read_text()
+    assert text.startswith("#!/bin/sh\n")
+    assert 'scripts/stack_check.py" "$1" "$2" -- plugins -q' in text
+    assert stack_check.install_hook(repo, ["-q"]) == hook  # ours: reinstalling replaces it
+    assert '"$1" "$2" -- -q\n' in hook.read_text()
+
+    hook.write_text("#!/bin/sh\nexit 0\n")  # someone else's hook is never overwritten
+    with pytest.raises(stack_check.StackCheckError, match="exists and is not ours"):
+        stack_check.install_hook(repo, ["-q"])
+
+
+def test_install_hook_follows_core_hooks_path_and_refuses_linked_worktrees(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    commit(repo, "Add a", {"a": "a"})
+    git(repo, "config", "core.hooksPath", "githooks")
+    assert stack_check.install_hook(repo, []) == repo / "githooks" / "pre-ghstack"
+
+    git(repo, "config", "--unset", "core.hooksPath")
+    git(repo, "worktree", "add", "-q", str(tmp_path / "linked"))
+    with pytest.raises(stack_check.StackCheckError, match="is a linked git worktree"):
+        stack_check.install_hook(tmp_path / "linked", [])
+
+
+def test_pythonpath_into_the_checkout_is_dropped(tmp_path, monkeypatch):
+    inside, outside = tmp_path / "repo" / "core" / "src", tmp_path / "tools"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(inside), str(outside)]))
+    monkeypatch.setenv("GIT_DIR", str(tmp_path / "repo" / ".git"))
+    env = stack_check.commit_environment(tmp_path / "repo")
+    assert env["PYTHONPATH"] == str(outside)
+    assert "GIT_DIR" not in env
+
+
+def fake_distribution(site: Path, name: str, package: str, plugin: str = "") -> None:
+    """A distribution installed in ``site``: a package, its metadata and RECORD."""
+    info = site / f"{package}-1.0.dist-info"
+    (site / package).mkdir(parents=True)
+    (site / package / "__init__.py").write_text("")
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    files = [f"{package}/__init__.py", f"{info.name}/METADATA", f"{info.name}/RECORD"]
+    if plugin:
+        (info / "entry_points.txt").write_text(f"[plugtrain.plugins]\n{plugin} = {package}\n")
+        files.append(f"{info.name}/entry_points.txt")
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+
+
+def test_environment_hides_the_outer_pythons_project_distributions(tmp_path, monkeypatch):
+    """The core, plugtrain-* distributions and any plugtrain plugin installed where the
+    check runs are invisible to the commit under test; everything else is reused."""
+    outer = tmp_path / "outer" / "site-packages"
+    fake_distribution(outer, "plugtrain", "plugtrain")
+    fake_distribution(outer, "plugtrain-old-plugin", "plugtrain_old_plugin")
+    fake_distribution(outer, "acme-clip", "acme_clip", plugin="acme_clip")
+    fake_distribution(outer, "some-tool", "some_tool")
+    monkeypatch.setattr(stack_check, "outer_site_dirs", lambda: [outer])
+    env = stack_check.Environment(tmp_path / "venv", dict(os.environ))
+    env.create()
+    probe = (
+        "import importlib.metadata as md, importlib.util as u;"
+        "print(sorted(d.metadata['Name'] for d in md.distributions()));"
+        "print([p for p in ('plugtrain', 'plugtrain_old_plugin', 'acme_clip', 'some_tool')"
+        " if u.find_spec(p)])"
+    )
+    seen = subprocess.run(
+        [env.python, "-c", probe], check=True, capture_output=True, text=True, env={}
+    ).stdout.splitlines()
+    assert seen == ["['some-tool']", "['some_tool']"]
+
+
+# -- the stack check on a small synthetic repository --------------------------------------
+
+
+@pytest.mark.slow
+def test_stack_check_stops_at_the_first_failing_commit(tmp_path, capsys):
+    """Three commits; the second breaks its test (so does the third): the check names the
+    second and never runs the third. Each commit is tested as it is, not as HEAD is."""
+    repo = make_repo(tmp_path / "repo")
+    test = textwrap.dedent("""
+        from pathlib import Path
+        def test_value():
+            assert Path("value.txt").read_text() == "{}"
+    """)
+    base = commit(repo, "Add the value test", {"value.txt": "1", "test_value.py": test.format(1)})
+    commit(repo, "Change the value test", {"test_value.py": test.format(2)})
+    second = git(repo, "rev-parse", "HEAD")
+    commit(repo, "Change the value", {"value.txt": "3"})
+    assert stack_check.check_stack(repo, base, "HEAD", ["-q", "-p", "no:cacheprovider"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED at [1/2] {second[:10]} 'Change the value test': tests failed" in out
+    assert "[2/2]" not in out
+    assert f"reproduce: git checkout {second[:10]} && python -m pytest -q" in out
+    assert git(repo, "worktree", "list").count("\n") == 0  # the temporary worktree is gone
+
+    commit(repo, "Fix the value test.", {"test_value.py": test.format(3)})
+    assert stack_check.check_stack(repo, f"{second}~1", "HEAD", ["-q"]) == 1
+    out = capsys.readouterr().out
+    assert "the subject ends with a period" in out  # messages are checked before any test
+    assert "[1/3]" not in out
