@@ -1,4 +1,4 @@
-"""The contributor workflow's pieces: the commit-message rules, the plugin template, the
+"""The contributor workflow's pieces: commit-message rules, CI, the plugin template, the
 ``pre-ghstack`` hook and the stack check."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from test_repository import readme_command
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # the scripts under test are plain modules there
@@ -311,3 +312,32 @@ def test_stack_check_stops_at_the_first_failing_commit(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the subject ends with a period" in out  # messages are checked before any test
     assert "[1/3]" not in out
+
+
+# -- CI workflow, CONTRIBUTING.md, requirements --------------------------------------------
+
+
+def test_ci_workflow_runs_readme_commands_on_every_pull_request(repo):
+    import yaml
+
+    workflow = yaml.safe_load((repo / ".github" / "workflows" / "ci.yml").read_text())
+    # NOTE: YAML 1.1 (PyYAML) reads the bare key `on` as the boolean True.
+    triggers = workflow[True]
+    assert set(triggers) == {"pull_request", "push"}
+    # ghstack PRs target gh/<user>/<N>/base: any branch filter would skip them.
+    assert not (triggers["pull_request"] or {}).keys() & {"branches", "branches-ignore"}
+    assert triggers["push"] == {"branches": ["main"]}
+    concurrency = workflow["concurrency"]
+    assert "github.event.pull_request.number" in concurrency["group"]
+    assert concurrency["cancel-in-progress"] == "${{ github.event_name == 'pull_request' }}"
+
+    (job,) = workflow["jobs"].values()
+    runs = [step["run"] for step in job["steps"] if "run" in step]
+    setup, test = readme_command(repo, "setup"), readme_command(repo, "test")
+    assert setup in runs and test in runs and runs.index(setup) < runs.index(test)
+    message_checks = [run for run in runs if run.startswith("python scripts/check_commit_msg.py")]
+    assert len(message_checks) == 2  # pull requests and pushes to main
+    checkout = next(
+        step for step in job["steps"] if step.get("uses", "").startswith("actions/checkout")
+    )
+    assert checkout["with"]["fetch-depth"] == 0  # the PR's commits and ghstack's orig branches
