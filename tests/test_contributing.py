@@ -1,8 +1,9 @@
 """The contributor workflow's pieces: commit-message rules, CI, the plugin template, the
-``pre-ghstack`` hook and the stack check."""
+``pre-ghstack`` hook and the stack check (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import stat
@@ -341,3 +342,33 @@ def test_ci_workflow_runs_readme_commands_on_every_pull_request(repo):
         step for step in job["steps"] if step.get("uses", "").startswith("actions/checkout")
     )
     assert checkout["with"]["fetch-depth"] == 0  # the PR's commits and ghstack's orig branches
+
+
+def test_contributing_covers_the_workflow(repo):
+    text = (repo / "CONTRIBUTING.md").read_text()
+    assert readme_command(repo, "setup") in text
+    for needed in (
+        "ghstack submit",
+        "ghstack checkout",
+        "ghstack land https://",
+        "ghstack unlink",
+        "Merge button",
+        "~/.ghstackrc",
+        "python scripts/stack_check.py --install-hook",
+        "python scripts/new_plugin.py",
+        'python -m pytest -m "not slow"',
+    ):
+        assert needed in text, needed
+
+
+def test_no_ghstackrc_is_committed_and_one_would_be_ignored(repo):
+    assert not [f for f in git(repo, "ls-files").splitlines() if f.endswith(".ghstackrc")]
+    assert git(repo, "check-ignore", "--no-index", ".ghstackrc") == ".ghstackrc"
+
+
+def test_setup_command_installs_the_pinned_ghstack(repo):
+    requirements = (repo / "requirements-dev.txt").read_text().splitlines()
+    assert "ghstack==0.18.0" in requirements
+    assert any(line.startswith("graphql-core") for line in requirements)
+    assert any(line.startswith("pyyaml") for line in requirements)
+    assert importlib.metadata.version("ghstack") == "0.18.0"
