@@ -1,5 +1,6 @@
 """The contributor workflow's pieces: commit-message rules, CI, the plugin template, the
-``pre-ghstack`` hook and the stack check (CONTRIBUTING.md)."""
+``pre-ghstack`` hook and the stack check (CONTRIBUTING.md). The whole workflow, end to end
+against ghstack's fake GitHub, is in test_ghstack_workflow.py."""
 
 from __future__ import annotations
 
