@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 
@@ -48,6 +49,19 @@ def test_list_overrides_accept_commas_and_toml_arrays():
     assert coerce("[]", list[str], "k") == []
     assert coerce("inf", float, "k") == float("inf")
     assert coerce("false", bool, "k") is False
+
+
+def test_unions_take_the_first_member_that_accepts_the_value():
+    auto_or_bool = bool | Literal["auto"]
+    assert coerce(True, auto_or_bool, "k") is True  # TOML true
+    assert coerce("false", auto_or_bool, "k") is False  # --s.k false
+    assert coerce("auto", auto_or_bool, "k") == "auto"
+    with pytest.raises(ConfigError, match=r"^config key 'k' must be bool or 'auto', got 'maybe'$"):
+        coerce("maybe", auto_or_bool, "k")
+    with pytest.raises(ConfigError, match=r"^config key 'k' must be bool or 'auto', got 'none'$"):
+        coerce("none", auto_or_bool, "k")  # None only where the union admits it
+    assert coerce("none", int | None, "k") is None
+    assert coerce("3", int | None, "k") == 3
 
 
 @pytest.mark.parametrize(

@@ -234,10 +234,18 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+def _choices_name(tp: Any) -> str:
+    """``'auto'`` for ``Literal["auto"]``, the type's name otherwise (for error messages)."""
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(map(repr, typing.get_args(tp)))
+    return _type_name(tp)
+
+
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """Convert ``value`` (from TOML, or a command-line string) to type ``tp``, or raise.
 
-    Supports bool, int, float, str, ``Literal[...]``, ``X | None`` and ``list[X]``.
+    Supports bool, int, float, str, ``Literal[...]``, ``list[X]`` and unions of these
+    (``X | None``, ``bool | Literal["auto"]``: the first member that accepts the value wins).
     """
     origin = typing.get_origin(tp)
     from_cli = isinstance(value, str)
@@ -250,10 +258,21 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             )
         return value
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (from_cli and value.lower() in ("none", "null")):
+        members = typing.get_args(tp)
+        args = [a for a in members if a is not type(None)]
+        if type(None) in members and (
+            value is None or (from_cli and value.lower() in ("none", "null"))
+        ):
             return None
-        return coerce(value, args[0], key)
+        if len(args) == 1:  # X | None: X's own message (did-you-mean for a Literal)
+            return coerce(value, args[0], key)
+        for arg in args:
+            try:
+                return coerce(value, arg, key)
+            except ConfigError:
+                continue  # NOTE: a later member may accept it; none accepting is reported below
+        expected = " or ".join(map(_choices_name, args))
+        raise ConfigError(f"config key '{key}' must be {expected}, got {value!r}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if from_cli:
