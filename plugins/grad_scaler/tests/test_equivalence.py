@@ -1,0 +1,81 @@
+"""The plugin against the canonical hand-written GradScaler loop, bit for bit."""
+
+from __future__ import annotations
+
+import warnings
+
+import grad_scaler_testing as gst
+import pytest
+import torch
+
+from plugtrain.plugin import gradients, hookimpl
+from plugtrain.trainer import cross_entropy
+
+STEPS = 6
+INF_STEPS = {2, 5}
+TRAINING = (*gst.FP16, "--training.grad_accum_steps", "2", "--lr_scheduler.warmup_steps", "2")
+SCALER = ("--plugins.enabled", "grad_scaler", "--grad_scaler.growth_interval", "2")
+
+
+class GradNorms:
+    """A plain post_backward implementation: records the global gradient norm it sees."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    @hookimpl
+    def post_backward(self, ctx) -> None:
+        self.norms.append(grad_norm(ctx.model))
+
+
+def grad_norm(model: torch.nn.Module) -> float:
+    return torch.stack([g.full_tensor().norm() for g in gradients(model)]).norm().item()
+
+
+def reference_loop(dump_folder) -> tuple[torch.nn.Module, list[float], list[float]]:
+    """The canonical loop (PyTorch AMP docs) on the trainer's model, optimizer, schedule and
+    data: scale, backward, unscale_, step, update; the LR schedule advances only on steps the
+    scaler did not skip (a skip is seen as the scale backing off)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "training.mixed_precision_param is float16")
+        trainer = gst.make_trainer(dump_folder, *TRAINING, steps=STEPS)  # no plugins
+    model, optimizer, lr_scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    scales, norms = [], []
+    for step in range(1, STEPS + 1):
+        batch = trainer.loader.next_batch()
+        for inputs, targets in batch:
+            scaler.scale(cross_entropy(model(inputs), targets) / len(batch)).backward()
+        if step in INF_STEPS:
+            gst.poison(model)
+        scaler.unscale_(optimizer)
+        norms.append(grad_norm(model))
+        scale_before = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
+        if scaler.get_scale() >= scale_before:
+            lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        scales.append(scaler.get_scale())
+    return model, scales, norms
+
+
+@pytest.mark.parametrize("scaler_registered_first", [True, False])
+def test_bitwise_equal_to_the_canonical_loop(tmp_path, scaler_registered_first):
+    reader = GradNorms()
+    others = {"inject": gst.InjectInf(INF_STEPS), "reader": reader}
+    order = {"extra": others} if scaler_registered_first else {"first": others}
+    trainer = gst.make_trainer(tmp_path / "plugin", *TRAINING, *SCALER, steps=STEPS, **order)
+    trainer.train()
+    model, ref_scales, ref_norms = reference_loop(tmp_path / "reference")
+
+    records = gst.read_metrics(tmp_path / "plugin")
+    assert [r["grad_scaler/loss_scale"] for r in records] == ref_scales
+    assert ref_scales == [2.0**16, 2.0**15, 2.0**15, 2.0**16, 2.0**15, 2.0**15]
+    assert [r["grad_scaler/skipped_steps"] for r in records] == [0, 1, 1, 1, 2, 2]
+    # Plain post_backward implementations see the unscaled gradients, in either order.
+    assert reader.norms == ref_norms
+    assert all(0 < n < 100 for i, n in enumerate(ref_norms, 1) if i not in INF_STEPS)
+    assert trainer.lr_scheduler.last_epoch == STEPS - len(INF_STEPS)
+    for (name, got), want in zip(trainer.model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(got.full_tensor(), want.full_tensor()), name
