@@ -146,7 +146,7 @@ class GradScalerPlugin:
         # and every rank skips together. ShardedGradScaler (built for FSDP1's plain tensors)
         # all-reduces found_inf again on top: two collectives instead of one (found_inf = 2.0
         # on 2 ranks), plus its CPU update reads the flag with extra .item() calls. Measured
-        # on 2 processes with FSDP2 (gloo, CPU).
+        # on 2 processes by tests/test_two_processes.py::test_choice_of_grad_scaler_class.
         # The device type is passed explicitly: GradScaler() defaults to "cuda" and silently
         # disables itself on a machine without CUDA.
         self.scaler = torch.amp.GradScaler(

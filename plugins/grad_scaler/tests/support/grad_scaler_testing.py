@@ -1,4 +1,5 @@
-"""Helpers for the grad_scaler plugin's tests: runs of the real trainer and an inf injector."""
+"""Helpers for the grad_scaler plugin's tests: runs of the real trainer, an inf injector, and the
+functions run on each rank by ``distributed.run_distributed`` (module level: picklable)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from runs import tiny_args
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.profiler import ProfilerActivity, profile
 
 from plugtrain.launch import configure
 from plugtrain.plugin import StepContext, gradients, hookimpl, local_tensor
-from plugtrain.trainer import Trainer
+from plugtrain.trainer import Trainer, cross_entropy
 
 FP16 = ("--training.mixed_precision_param", "float16")
 
@@ -61,3 +64,93 @@ def read_metrics(dump_folder: str | Path) -> list[dict]:
     """The JSONL records a run wrote (rank 0), in order."""
     lines = (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+class StepWatcher:
+    """Per step, on this rank: whether the parameter shards and the optimizer state changed,
+    and the loss scale once the step is over."""
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.before: list[torch.Tensor] = []
+        self.params_changed: dict[int, bool] = {}
+        self.state_changed: dict[int, bool] = {}
+        self.scales: dict[int, float] = {}
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        assert self.trainer is not None
+        opt = self.trainer.optimizer
+        tensors = [p.detach() for p in self.trainer.model.parameters()]
+        tensors += [v for state in opt.state.values() for v in state.values()]
+        return [local_tensor(t).clone() for t in tensors]
+
+    @hookimpl
+    def pre_step(self) -> None:
+        self.before = self._snapshot()
+
+    @hookimpl
+    def post_step(self, ctx: StepContext) -> None:
+        after = self._snapshot()
+        n = len(list(self.trainer.model.parameters()))
+        same = [torch.equal(a, b) for a, b in zip(self.before, after, strict=False)]
+        self.params_changed[ctx.step] = not all(same[:n])
+        # On the first step AdamW creates its state: "changed" means it now exists.
+        self.state_changed[ctx.step] = len(after) != len(self.before) or not all(same[n:])
+
+    @hookimpl
+    def step_metrics(self, ctx: StepContext) -> None:
+        # Fires after every post_step (log_freq 1), so after the scaler's update.
+        self.scales[ctx.step] = self.trainer.plugins.get("grad_scaler").scaler.get_scale()
+
+
+def inf_on_one_rank(dump_folder: str) -> dict:
+    """3 fp16 steps on 2 ranks with grad_scaler; inf in rank 1's gradient shard at step 2."""
+    watcher = StepWatcher()
+    trainer = make_trainer(
+        dump_folder, *FP16, "--plugins.enabled", "grad_scaler",
+        "--grad_scaler.init_scale", "1024",
+        extra={"inject": InjectInf(steps={2}, ranks={1}), "watcher": watcher},
+    )  # fmt: skip
+    watcher.trainer = trainer
+    trainer.train()
+    trainer.close()
+    return {
+        "rank": trainer.world.rank,
+        "params_changed": watcher.params_changed,
+        "state_changed": watcher.state_changed,
+        "scales": watcher.scales,
+        "lr_steps": trainer.lr_scheduler.last_epoch,
+        "skipped": trainer.plugins.get("grad_scaler").skipped_steps,
+    }
+
+
+def compare_scaler_classes(dump_folder: str) -> dict:
+    """unscale_ and update of GradScaler and ShardedGradScaler on the trainer's FSDP2 model,
+    inf in rank 1's shard only: collectives, found_inf and host syncs seen on this rank."""
+    trainer = make_trainer(dump_folder, *FP16)
+    (inputs, targets), *_ = trainer.loader.next_batch()
+    out = {}
+    for cls in (torch.amp.GradScaler, ShardedGradScaler):
+        scaler = cls("cpu", init_scale=1024.0)
+        scaler.scale(cross_entropy(trainer.model(inputs), targets)).backward()
+        if dist.get_rank() == 1:
+            poison(trainer.model)
+        with profile(activities=[ProfilerActivity.CPU]) as unscale_prof:
+            scaler.unscale_(trainer.optimizer)
+        found_inf = sum(v.item() for v in scaler._found_inf_per_device(trainer.optimizer).values())
+        with profile(activities=[ProfilerActivity.CPU]) as update_prof:
+            scaler.update()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        out[cls.__name__] = {
+            "collectives": count_events(unscale_prof, "c10d::allreduce_"),
+            "found_inf": found_inf,
+            "update_syncs": count_events(update_prof, "aten::_local_scalar_dense"),
+            "scale": scaler.get_scale(),
+        }
+    trainer.close()
+    return out
+
+
+def count_events(prof: torch.profiler.profile, name: str) -> int:
+    """How many profiled operator calls are named ``name``."""
+    return sum(1 for e in prof.events() if e.name == name)
