@@ -4,6 +4,8 @@ functions run on each rank by ``distributed.run_distributed`` (module level: pic
 from __future__ import annotations
 
 import json
+import warnings
+from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
 
@@ -154,3 +156,35 @@ def compare_scaler_classes(dump_folder: str) -> dict:
 def count_events(prof: torch.profiler.profile, name: str) -> int:
     """How many profiled operator calls are named ``name``."""
     return sum(1 for e in prof.events() if e.name == name)
+
+
+PROFILED_STEPS = 2
+UNSCALE = "aten::_amp_foreach_non_finite_check_and_unscale_"
+SYNC = "aten::_local_scalar_dense"  # what .item() runs
+
+
+def profiled_run(dump_folder: str | Path, dtype: str, *args: str) -> tuple[Trainer, Counter]:
+    """Train PROFILED_STEPS steps under the profiler; return the trainer and operator counts."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "training.mixed_precision_param is float16")
+        trainer = make_trainer(
+            dump_folder, "--training.mixed_precision_param", dtype, "--metrics.log_freq", "1000",
+            *args, steps=PROFILED_STEPS,
+        )  # fmt: skip
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.train()
+    trainer.close()
+    return trainer, Counter(e.name for e in prof.events())
+
+
+def count_collectives(dump_folder: str) -> dict[tuple[str, bool], Counter]:
+    """The collectives of profiled runs, by (dtype, whether grad_scaler is enabled)."""
+    counts = {}
+    for dtype in ("bfloat16", "float32", "float16"):
+        for enabled in (False, True):
+            args = ("--plugins.enabled", "grad_scaler") if enabled else ()
+            _, ops = profiled_run(Path(dump_folder, f"{dtype}-{enabled}"), dtype, *args)
+            counts[dtype, enabled] = Counter(
+                {name: n for name, n in ops.items() if name.startswith("c10d::")}
+            )
+    return counts
