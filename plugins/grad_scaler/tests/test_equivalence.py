@@ -8,8 +8,8 @@ import grad_scaler_testing as gst
 import pytest
 import torch
 
-from plugtrain.plugin import gradients, hookimpl
-from plugtrain.trainer import cross_entropy
+from plugtrain.plugin import gradients, hookimpl, local_tensor
+from plugtrain.trainer import Trainer, cross_entropy
 
 STEPS = 6
 INF_STEPS = {2, 5}
@@ -32,7 +32,7 @@ def grad_norm(model: torch.nn.Module) -> float:
     return torch.stack([g.full_tensor().norm() for g in gradients(model)]).norm().item()
 
 
-def reference_loop(dump_folder) -> tuple[torch.nn.Module, list[float], list[float]]:
+def reference_loop(dump_folder) -> tuple[Trainer, list[float], list[float]]:
     """The canonical loop (PyTorch AMP docs) on the trainer's model, optimizer, schedule and
     data: scale, backward, unscale_, step, update; the LR schedule advances only on steps the
     scaler did not skip (a skip is seen as the scale backing off)."""
@@ -57,17 +57,17 @@ def reference_loop(dump_folder) -> tuple[torch.nn.Module, list[float], list[floa
             lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         scales.append(scaler.get_scale())
-    return model, scales, norms
+    return trainer, scales, norms
 
 
-@pytest.mark.parametrize("scaler_registered_first", [True, False])
-def test_bitwise_equal_to_the_canonical_loop(tmp_path, scaler_registered_first):
+def check_against_reference(tmp_path, scaler_registered_first: bool = True) -> Trainer:
+    """Train through plugtrain with grad_scaler and compare with ``reference_loop``."""
     reader = GradNorms()
     others = {"inject": gst.InjectInf(INF_STEPS), "reader": reader}
     order = {"extra": others} if scaler_registered_first else {"first": others}
     trainer = gst.make_trainer(tmp_path / "plugin", *TRAINING, *SCALER, steps=STEPS, **order)
     trainer.train()
-    model, ref_scales, ref_norms = reference_loop(tmp_path / "reference")
+    reference, ref_scales, ref_norms = reference_loop(tmp_path / "reference")
 
     records = gst.read_metrics(tmp_path / "plugin")
     assert [r["grad_scaler/loss_scale"] for r in records] == ref_scales
@@ -77,5 +77,31 @@ def test_bitwise_equal_to_the_canonical_loop(tmp_path, scaler_registered_first):
     assert reader.norms == ref_norms
     assert all(0 < n < 100 for i, n in enumerate(ref_norms, 1) if i not in INF_STEPS)
     assert trainer.lr_scheduler.last_epoch == STEPS - len(INF_STEPS)
-    for (name, got), want in zip(trainer.model.named_parameters(), model.parameters(), strict=True):
+    named = trainer.model.named_parameters()
+    for (name, got), want in zip(named, reference.model.parameters(), strict=True):
         assert torch.equal(got.full_tensor(), want.full_tensor()), name
+        got_state, want_state = trainer.optimizer.state[got], reference.optimizer.state[want]
+        assert got_state.keys() == want_state.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in want_state.items():
+            assert torch.equal(local_tensor(got_state[key]), local_tensor(value)), (name, key)
+    return trainer
+
+
+@pytest.mark.parametrize("scaler_registered_first", [True, False])
+def test_bitwise_equal_to_the_canonical_loop(tmp_path, scaler_registered_first):
+    check_against_reference(tmp_path, scaler_registered_first)
+
+
+class FusedAdamW(torch.optim.AdamW):
+    """The trainer's AdamW made fused, as the trainer builds it on CUDA (CPU supports it too)."""
+
+    def __init__(self, *args, fused=None, **kwargs) -> None:
+        super().__init__(*args, fused=True, **kwargs)
+
+
+def test_fused_optimizer_matches_the_canonical_fused_path(tmp_path, monkeypatch):
+    """With a fused optimizer, scaler.step hands found_inf to the fused kernel (no .item());
+    the plugin skips the whole step instead: the same parameters and optimizer state."""
+    monkeypatch.setattr(torch.optim, "AdamW", FusedAdamW)
+    trainer = check_against_reference(tmp_path)
+    assert trainer.optimizer.defaults["fused"] and trainer.optimizer._step_supports_amp_scaling

@@ -91,7 +91,8 @@ class _StepGate:
     ``scaler._found_inf_per_device(optimizer)``, would duplicate that decision by hand. The
     gate deliberately lacks ``_step_supports_amp_scaling``: with a fused optimizer (the
     trainer's on CUDA) the gradients are already unscaled and the step is skipped as a whole,
-    which is what the fused kernel's own found_inf check would have done.
+    which is what the fused kernel's own found_inf check would have done (bit for bit: see
+    tests/test_equivalence.py, fused AdamW on CPU).
     """
 
     def __init__(self, optimizer: Optimizer) -> None:
