@@ -14,7 +14,8 @@ from plugtrain.trainer import Trainer, cross_entropy
 STEPS = 6
 INF_STEPS = {2, 5}
 TRAINING = (*gst.FP16, "--training.grad_accum_steps", "2", "--lr_scheduler.warmup_steps", "2")
-SCALER = ("--plugins.enabled", "grad_scaler", "--grad_scaler.growth_interval", "2")
+SCALER = ("--grad_scaler.growth_interval", "2")
+MAX_NORM = 0.5
 
 
 class GradNorms:
@@ -32,10 +33,12 @@ def grad_norm(model: torch.nn.Module) -> float:
     return torch.stack([g.full_tensor().norm() for g in gradients(model)]).norm().item()
 
 
-def reference_loop(dump_folder) -> tuple[Trainer, list[float], list[float]]:
+def reference_loop(dump_folder, clip: bool) -> tuple[Trainer, list[float], list[float]]:
     """The canonical loop (PyTorch AMP docs) on the trainer's model, optimizer, schedule and
-    data: scale, backward, unscale_, step, update; the LR schedule advances only on steps the
-    scaler did not skip (a skip is seen as the scale backing off)."""
+    data: scale, backward, unscale_, [clip_grad_norm_], step, update; the LR schedule advances
+    only on steps the scaler did not skip (a skip is seen as the scale backing off).
+
+    Returns the trained trainer, the scale after each step and the norm after unscale_."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "training.mixed_precision_param is float16")
         trainer = gst.make_trainer(dump_folder, *TRAINING, steps=STEPS)  # no plugins
@@ -50,6 +53,8 @@ def reference_loop(dump_folder) -> tuple[Trainer, list[float], list[float]]:
             gst.poison(model)
         scaler.unscale_(optimizer)
         norms.append(grad_norm(model))
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         scale_before = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
@@ -60,23 +65,36 @@ def reference_loop(dump_folder) -> tuple[Trainer, list[float], list[float]]:
     return trainer, scales, norms
 
 
-def check_against_reference(tmp_path, scaler_registered_first: bool = True) -> Trainer:
-    """Train through plugtrain with grad_scaler and compare with ``reference_loop``."""
+def check_against_reference(
+    tmp_path, enabled: str = "grad_scaler", scaler_registered_first: bool = True
+) -> Trainer:
+    """Train through plugtrain with the ``enabled`` plugins (registered in that order) and
+    compare with ``reference_loop``, clipping there too if grad_clip is enabled."""
+    clip = "grad_clip" in enabled
     reader = GradNorms()
     others = {"inject": gst.InjectInf(INF_STEPS), "reader": reader}
     order = {"extra": others} if scaler_registered_first else {"first": others}
-    trainer = gst.make_trainer(tmp_path / "plugin", *TRAINING, *SCALER, steps=STEPS, **order)
+    trainer = gst.make_trainer(
+        tmp_path / "plugin", *TRAINING, "--plugins.enabled", enabled, *SCALER,
+        *(("--grad_clip.max_norm", str(MAX_NORM)) if clip else ()), steps=STEPS, **order,
+    )  # fmt: skip
+    assert [n for n in trainer.plugins.names() if n.startswith("grad_")] == enabled.split(",")
     trainer.train()
-    reference, ref_scales, ref_norms = reference_loop(tmp_path / "reference")
+    reference, ref_scales, ref_norms = reference_loop(tmp_path / "reference", clip)
 
     records = gst.read_metrics(tmp_path / "plugin")
     assert [r["grad_scaler/loss_scale"] for r in records] == ref_scales
     assert ref_scales == [2.0**16, 2.0**15, 2.0**15, 2.0**16, 2.0**15, 2.0**15]
     assert [r["grad_scaler/skipped_steps"] for r in records] == [0, 1, 1, 1, 2, 2]
-    # Plain post_backward implementations see the unscaled gradients, in either order.
-    assert reader.norms == ref_norms
     assert all(0 < n < 100 for i, n in enumerate(ref_norms, 1) if i not in INF_STEPS)
     assert trainer.lr_scheduler.last_epoch == STEPS - len(INF_STEPS)
+    if clip:  # grad_clip's pre-clip norm: it saw the unscaled gradients, and clipped them
+        clean = [i for i in range(STEPS) if i + 1 not in INF_STEPS]
+        clip_norms = [records[i]["grad_clip/grad_norm"] for i in clean]
+        assert clip_norms == pytest.approx([ref_norms[i] for i in clean], rel=1e-6)
+        assert min(clip_norms) > MAX_NORM
+    else:  # a plain post_backward implementation sees the unscaled gradients, in either order
+        assert reader.norms == ref_norms
     named = trainer.model.named_parameters()
     for (name, got), want in zip(named, reference.model.parameters(), strict=True):
         assert torch.equal(got.full_tensor(), want.full_tensor()), name
@@ -89,7 +107,14 @@ def check_against_reference(tmp_path, scaler_registered_first: bool = True) -> T
 
 @pytest.mark.parametrize("scaler_registered_first", [True, False])
 def test_bitwise_equal_to_the_canonical_loop(tmp_path, scaler_registered_first):
-    check_against_reference(tmp_path, scaler_registered_first)
+    check_against_reference(tmp_path, scaler_registered_first=scaler_registered_first)
+
+
+@pytest.mark.parametrize("enabled", ["grad_scaler,grad_clip", "grad_clip,grad_scaler"])
+def test_with_grad_clip_bitwise_equal_in_either_registration_order(tmp_path, enabled):
+    """Scaler registered before or after the clipper: both equal the canonical loop with
+    ``clip_grad_norm_`` between ``unscale_`` and ``step``, hence each other."""
+    check_against_reference(tmp_path, enabled)
 
 
 class FusedAdamW(torch.optim.AdamW):
