@@ -189,6 +189,47 @@ class Metrics:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints to ``<job.dump_folder>/checkpoints/step-<N>/`` and resume from them: a
+    run started again with the same dump folder continues where the last complete one left off."""
+    interval: int = 500
+    """Save every this many steps; a run also saves at its last step and when it gets SIGTERM."""
+    keep_latest_k: int = 3
+    """Keep the newest this many complete checkpoints, deleting older ones after each save; 0
+    keeps every one."""
+    load_step: int = -1
+    """Checkpoint to resume from: -1 the latest complete one (none: train from scratch), N the
+    one of step N (an error if it does not exist), 0 none (train from scratch)."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """``async``: copy the state to CPU memory, then write it in a background thread while
+    training goes on (``dcp.async_save``); ``disabled``: training waits for each save."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            self.interval >= 1, "checkpoint", "interval", f"must be >= 1, got {self.interval}"
+        )
+        check_field(
+            self.keep_latest_k >= 0,
+            "checkpoint",
+            "keep_latest_k",
+            f"must be >= 0 (0 keeps all), got {self.keep_latest_k}",
+        )
+        check_field(
+            self.load_step >= -1,
+            "checkpoint",
+            "load_step",
+            f"must be -1 (latest), 0 (none) or a step, got {self.load_step}",
+        )
+        check_field(
+            self.enable or self.load_step == -1,
+            "checkpoint",
+            "load_step",
+            "needs checkpoint.enable = true: add --checkpoint.enable true",
+        )
+
+
+@dataclass
 class Plugins:
     enabled: list[str] = field(default_factory=list)
     """Names of the installed plugins to load, e.g. ``["grad_clip"]``; others are never imported."""
@@ -206,6 +247,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     plugins: Plugins = field(default_factory=Plugins)
     plugin_sections: dict[str, Any] = field(default_factory=dict)
     """Each enabled plugin's validated config dataclass, by plugin name."""
