@@ -39,16 +39,25 @@ def free_port() -> int:
 
 
 def run_train_py(
-    args: list[str], nproc: int = 1, timeout: float = 300
+    args: list[str],
+    nproc: int = 1,
+    timeout: float = 300,
+    *,
+    env: dict[str, str] | None = None,
+    torchrun_args: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
-    """Run ``train.py`` as a user would: plain python for 1 process, torchrun for more."""
-    if nproc == 1:
+    """Run ``train.py`` as a user would: plain python for 1 process, torchrun for more.
+
+    ``env`` adds environment variables; ``torchrun_args`` (e.g. ``--max-restarts=1``) go to
+    torchrun, which then runs even for one process.
+    """
+    if nproc == 1 and not torchrun_args:
         cmd = [sys.executable, str(REPO / "train.py"), *args]
     else:
         cmd = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-            str(REPO / "train.py"), *args,
+            *torchrun_args, str(REPO / "train.py"), *args,
         ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)

@@ -120,8 +120,11 @@ def state_dict() -> dict[str, Any] | None:
     """Return the plugin's state for a checkpoint, or None if it has none.
 
     Called on every rank when a checkpoint is saved. Values must be tensors or Python numbers
-    (they are written with torch.distributed.checkpoint, never pickled). The state is saved
-    under the plugin's name.
+    (they are written with torch.distributed.checkpoint, never pickled), in nested dicts and
+    lists. The state is saved under the plugin's name. A plain tensor or number is saved once
+    for all ranks, so it must be the same on every rank; state that differs by rank goes in a
+    DTensor. Also called once when a run resumes, after ``setup``: the checkpoint's values are
+    loaded into the structure it returns, then handed to ``load_state_dict``.
     """
 
 

@@ -25,9 +25,11 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a compact line to the console
 ================================  ============================================================
 
 Throughput and times are means over the steps since the previous logged step. Validation writes
-records of their own: ``{"step": 50, "validation_loss": 4.75}``. A resumed run appends to the
-same file, so a step may appear twice; readers keep the last record of a step (``plugtrain
-plot`` does).
+records of their own: ``{"step": 50, "validation_loss": 4.75}``. A run resumed from a checkpoint
+first cuts the file back to the checkpoint's step, so that its records continue it as if the
+run had never stopped. A run without checkpoints started again in the same folder appends from
+step 1, so a step may appear twice; readers keep the last record of a step (``plugtrain plot``
+does).
 
 Sinks: the JSONL file (always), TensorBoard (``[metrics] enable_tensorboard``, event files in
 ``<dump_folder>/tensorboard``) and Weights & Biases (``[metrics] enable_wandb``; set

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plugtrain.checkpoint import CheckpointManager
 from plugtrain.config import JobConfig
 from plugtrain.data import PackedDataset, StatefulBatchLoader, build_dataset, iter_eval_batches
 from plugtrain.lr import build_lr_scheduler
@@ -114,9 +115,12 @@ class Trainer:
         self.tracer: HookTracer | None = None
         if tracing_requested(config.metrics.trace_hooks):
             self.tracer = HookTracer.install(plugins, config.job.dump_folder, self.world.rank)
+        self._setup_plugins()
+        self.checkpointer = CheckpointManager(self)
+        self.checkpointer.load()
+        # NOTE: after the load, so that a refused resume leaves the run's records untouched.
         if self.world.is_main:
             write_run_records(config, plugins.versions, self.world.world_size, self.device)
-        self._setup_plugins()
 
     def _build_model(self) -> nn.Module:
         # NOTE: build on the meta device, shard, then materialise: no rank ever holds the full
@@ -208,6 +212,8 @@ class Trainer:
                 self._log_step(loss, ctx, lr)
             if self.val_data is not None and self._due(cfg.validation.interval):
                 self.metrics.log({"step": self.step, "validation_loss": self.validate()})
+            if self.checkpointer.after_step():
+                break  # SIGTERM: saved, stop here
 
     def _due(self, every: int) -> bool:
         return self.step % every == 0 or self.step == self.config.training.steps
@@ -253,7 +259,8 @@ class Trainer:
         return (total[0] / total[1]).item()
 
     def close(self) -> None:
-        """Flush the run's files (the process group is left to the launcher)."""
+        """Finish saving, flush the run's files (the process group is left to the launcher)."""
+        self.checkpointer.close()
         if self.tracer is not None:
             self.tracer.close()
             self.tracer = None

@@ -1,0 +1,310 @@
+"""Checkpoints in one process: exact resume, SIGTERM, atomic saves, pruning and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+
+import checkpoint_workers as cw
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import read_metrics
+from runs import REPO, run_train_py, tiny_args
+
+from plugtrain.checkpoint import (
+    FAULT_ENV,
+    CheckpointError,
+    complete_checkpoints,
+    flat_keys,
+    read_checkpoint,
+    to_tensors,
+    truncate_metrics,
+)
+from plugtrain.errors import ConfigError
+from plugtrain.launch import configure, run_cli
+from plugtrain.trainer import Trainer
+
+CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "2")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """NOTE: in-process trainers on a busy 2-core machine are 50x faster with one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """An uninterrupted fp32 run of 2K steps without checkpoints: records and parameters."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        folder = tmp_path_factory.mktemp("reference")
+        trainer = cw.run(cw.build(folder))
+        return {"records": read_metrics(folder), "params": cw.full_parameters(trainer)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def steps_losses(records: list[dict], *metrics: str) -> list[tuple]:
+    """What a resumed run must reproduce of each step: loss, LR and the named metrics."""
+    return [
+        (r["step"], r["loss"], r["lr"], *(r[m] for m in metrics)) for r in records if "loss" in r
+    ]
+
+
+def assert_same_parameters(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    different = [k for k in got if not torch.equal(got[k], expected[k])]
+    assert not different, different
+
+
+def model_tensors(path) -> dict:
+    return {k.removeprefix("model."): v for k, v in read_checkpoint(path, "model.").items()}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "async_mode"),
+    [("float32", "disabled"), ("bfloat16", "disabled"), ("float32", "async")],
+)
+def test_interrupted_run_resumes_exactly(tmp_path, dtype, async_mode):
+    handler = signal.getsignal(signal.SIGTERM)
+    r = cw.interrupted_and_resumed(str(tmp_path), dtype, async_mode, 0)
+    assert signal.getsignal(signal.SIGTERM) is handler  # given back at close
+    assert r["stopped_at"] == cw.K
+    assert r["saved_after_stop"] == ["step-3", f"step-{cw.K}"]
+    assert r["step_at_resume"] == cw.K
+    assert steps_losses(r["resumed_records"]) == steps_losses(r["straight_records"])
+    assert len(steps_losses(r["resumed_records"])) == 2 * cw.K
+    assert_same_parameters(r["resumed_params"], r["straight_params"])
+    assert r["counter_loaded"] == [{"count": cw.K, "total": sum(range(1, cw.K + 1))}]
+    assert r["counter_final"] == 2 * cw.K
+    assert r["stateless_loaded"] == 0
+
+
+def test_a_save_before_the_first_optimizer_step_changes_nothing(tmp_path, reference):
+    # Step 1 vetoed: AdamW has no state yet when step-1 is saved. get_state_dict fills it by
+    # taking a zero-lr step, which would shift AdamW's step count for the rest of the run.
+    veto = ["--plugins.enabled", "hook_recorder", "--hook_recorder.veto_steps", "[1]"]
+    plain = cw.run(cw.build(tmp_path / "plain", *veto))
+    args = [*veto, *CKPT, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
+    cw.run(cw.build(tmp_path / "saved", *args))
+    expected = steps_losses(read_metrics(tmp_path / "plain"))
+    assert expected != steps_losses(reference["records"])  # the veto matters
+    assert steps_losses(read_metrics(tmp_path / "saved")) == expected
+    resumed = cw.build(tmp_path / "saved", *args, "--checkpoint.load_step", "1")
+    assert resumed.step == 1 and not resumed.optimizer.state
+    cw.run(resumed)
+    assert steps_losses(read_metrics(tmp_path / "saved")) == expected
+    assert_same_parameters(cw.full_parameters(resumed), cw.full_parameters(plain))
+
+
+def test_float16_with_the_grad_scaler_resumes_exactly(tmp_path):
+    r = cw.interrupted_and_resumed(str(tmp_path), "float16", "disabled", 0, cw.SCALER)
+    assert r["step_at_resume"] == cw.K
+    assert_scaler_resumed(r)
+    assert_same_parameters(r["resumed_params"], r["straight_params"])
+
+
+def assert_scaler_resumed(r: dict) -> None:
+    """The loss scale and skipped steps of the resumed run are the uninterrupted run's."""
+    # NOTE: not grad_scaler/skipped_steps, a count the plugin does not checkpoint.
+    metrics = ("grad_scaler/loss_scale", "skipped_steps")
+    resumed = steps_losses(r["resumed_records"], *metrics)
+    assert resumed == steps_losses(r["straight_records"], *metrics)
+    scales = [scale for *_, scale, _ in resumed]
+    assert scales[cw.K - 1] != 1e6 and len(set(scales)) > 1  # the state evolved
+
+
+def test_resume_restores_rng_states(tmp_path):
+    import random
+
+    import numpy as np
+
+    trainer = cw.build(tmp_path, *CKPT, "--training.steps", "2")
+    cw.run(trainer)
+    expected = torch.rand(3), random.random(), np.random.rand()
+    torch.manual_seed(123), random.seed(123), np.random.seed(123)
+    cw.build(tmp_path, *CKPT, "--training.steps", "2").close()
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]
+
+
+def test_saves_on_schedule_keeps_the_latest_k_and_drops_an_abandoned_future(tmp_path):
+    cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "2", "--training.steps", "7"))
+    folder = tmp_path / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["step-6", "step-7"]  # 2, 4, 6 by interval, 7 the last
+    # Resuming from an earlier checkpoint abandons the later ones: the next save removes them.
+    cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.load_step", "6", "--training.steps", "7"))
+    cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "0", "--training.steps", "8"))
+    assert list(complete_checkpoints(folder)) == [6, 7, 8]
+    cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.load_step", "6", "--training.steps", "7"))
+    assert list(complete_checkpoints(folder)) == [6, 7]
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 8))
+
+
+def test_crash_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path, reference):
+    # The crash: after writing its shard and DCP's .metadata, before the commit (rename).
+    env = {FAULT_ENV: f"before_commit:{cw.K}:0"}
+    crashed = run_train_py([*tiny_args(tmp_path, steps=2 * cw.K), *CKPT], env=env)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    folder = tmp_path / "checkpoints"
+    assert sorted(os.listdir(folder)) == ["step-2", f"step-{cw.K}.partial"]
+    assert (folder / f"step-{cw.K}.partial" / ".metadata").is_file()  # looks complete to DCP
+    resumed = cw.build(tmp_path, *CKPT)
+    assert resumed.step == 2
+    cw.run(resumed)
+    assert sorted(os.listdir(folder)) == ["step-4", "step-6", "step-8"]  # the partial is gone
+    assert steps_losses(read_metrics(tmp_path)) == steps_losses(reference["records"])
+    assert_same_parameters(cw.full_parameters(resumed), reference["params"])
+    assert_same_parameters(model_tensors(folder / "step-8"), reference["params"])
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    args = [*tiny_args(tmp_path, steps=10_000), *CKPT, "--checkpoint.interval", "10000"]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args],
+        stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "step     3 |" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    lines += proc.stderr.readlines()
+    assert proc.wait(timeout=60) == 0, "".join(lines)
+    last = read_metrics(tmp_path)[-1]["step"]
+    assert 3 <= last < 10_000
+    assert list(complete_checkpoints(tmp_path / "checkpoints")) == [last]
+    assert f"stopped after step {last} on SIGTERM" in "".join(lines)
+    restarted = Trainer(*configure(args))
+    restarted.close()
+    assert restarted.step == last
+
+
+def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 1, "loss": 2.0}, {"step": 2, "validation_loss": 3.0}, {"step": 3}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo')
+    assert truncate_metrics(path, 2) > 0
+    assert read_metrics(tmp_path) == records[:2]
+    for torn in ('{"step": 2, "lo', '{"step": 2}'):  # a torn or unfinished last line is cut
+        path.write_text('{"step": 1}\n' + torn)
+        truncate_metrics(path, 5)
+        assert path.read_text() == '{"step": 1}\n'
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def saved_run(tmp_path, *args: str) -> Trainer:
+    return cw.run(cw.build(tmp_path, *CKPT, "--training.steps", "4", *args))
+
+
+def resume_error(tmp_path, *args: str) -> str:
+    with pytest.raises(CheckpointError) as info:
+        cw.build(tmp_path, *CKPT, *args)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def run_records(folder) -> list[str]:
+    return [(folder / name).read_text() for name in ("metrics.jsonl", "config.json", "run.json")]
+
+
+def test_refuses_a_checkpoint_of_another_model_and_writes_nothing(tmp_path):
+    saved_run(tmp_path)
+    before = run_records(tmp_path)
+    assert resume_error(tmp_path, "--model.flavor", "debug") == (
+        f"checkpoint {tmp_path / 'checkpoints' / 'step-4'} was saved from another model: "
+        "parameter 'layers.0.attention.wk.weight' has shape [16, 32] there and [128, 256] here; "
+        "resume with the model.flavor and tokenizer it was trained with, or train in another "
+        "job.dump_folder"
+    )
+    assert run_records(tmp_path) == before
+
+
+def test_refuses_a_load_step_that_does_not_exist(tmp_path):
+    saved_run(tmp_path)
+    assert resume_error(tmp_path, "--checkpoint.load_step", "3") == (
+        f"checkpoint.load_step is 3, but {tmp_path / 'checkpoints'} has no complete checkpoint "
+        "step-3 (complete ones: 2, 4): pick one of them, or -1 for the latest"
+    )
+    shutil.rmtree(tmp_path / "checkpoints")
+    assert "(complete ones: none)" in resume_error(tmp_path, "--checkpoint.load_step", "4")
+
+
+@pytest.mark.parametrize("damage", ["metadata", "shard", "truncated"])
+def test_refuses_a_damaged_checkpoint_and_keeps_it(tmp_path, damage):
+    saved_run(tmp_path)
+    step4 = tmp_path / "checkpoints" / "step-4"
+    if damage == "metadata":
+        (step4 / ".metadata").unlink()
+    elif damage == "shard":
+        (step4 / "__0_0.distcp").unlink()
+    else:
+        shard = step4 / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])
+    before = sorted(os.listdir(step4)), (tmp_path / "metrics.jsonl").read_text()
+    message = resume_error(tmp_path)
+    assert message.startswith(f"checkpoint {step4} is damaged: ")
+    assert message.endswith(
+        "delete it to resume from the one before, or pick one with --checkpoint.load_step"
+    )
+    assert (sorted(os.listdir(step4)), (tmp_path / "metrics.jsonl").read_text()) == before
+    assert list(complete_checkpoints(tmp_path / "checkpoints")) == [2, 4]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_never_unpickles_an_object(tmp_path):
+    saved_run(tmp_path)
+    step4 = tmp_path / "checkpoints" / "step-4"
+    # A .metadata that would run code when unpickled.
+    (step4 / ".metadata").write_bytes(pickle.dumps(os.system))
+    assert "refusing to load 'posix.system'" in resume_error(tmp_path)
+    # A checkpoint that stores a number as a pickled object, as plain DCP does.
+    tensors = read_checkpoint(tmp_path / "checkpoints" / "step-2")
+    shutil.rmtree(step4)
+    dcp.save({**tensors, "train.step": 4}, checkpoint_id=step4, no_dist=True)
+    assert "stores 'train.step' as a pickled object, which plugtrain never loads" in (
+        resume_error(tmp_path)
+    )
+
+
+def test_plugin_state_must_be_tensors_and_numbers():
+    assert flat_keys(to_tensors({"a": [1, 2.5], "b": {"c": True, "d": None}})).keys() == {
+        "a.0", "a.1", "b.c"
+    }  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"cannot checkpoint 'plugins\.p\.name': it is a str"):
+        to_tensors({"p": {"name": "x"}}, "plugins")
+
+
+def test_refusal_through_train_py_is_one_line_and_exit_2(tmp_path, capsys):
+    saved_run(tmp_path)
+    capsys.readouterr()
+    code = run_cli(lambda: Trainer(*configure([*tiny_args(tmp_path), *CKPT, "--model.flavor",
+                                               "debug"])))  # fmt: skip
+    assert code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("plugtrain: error: checkpoint ") and "another model" in line
+
+
+def test_config_is_validated():
+    with pytest.raises(ConfigError, match=r"'checkpoint\.interval' must be >= 1, got 0"):
+        configure(["--checkpoint.interval", "0"])
+    with pytest.raises(ConfigError, match=r"'checkpoint\.load_step' needs checkpoint\.enable"):
+        configure(["--checkpoint.load_step", "4"])
+    with pytest.raises(ConfigError, match=r"'checkpoint\.async_mode' is 'asink' \(did you mean"):
+        configure(["--checkpoint.async_mode", "asink"])
