@@ -149,3 +149,14 @@ def interrupted_and_resumed(
         result["straight_records"] = read_metrics(root_path / "straight")
         result["resumed_records"] = read_metrics(resumed_folder)
     return result
+
+
+TWO_RANK_SCENARIOS = [("float32", "disabled"), ("bfloat16", "async"), ("float16", "disabled")]
+
+
+def two_rank_scenarios(root: str) -> list[dict]:
+    """:func:`interrupted_and_resumed` for each of TWO_RANK_SCENARIOS, SIGTERM on rank 1 only."""
+    return [
+        interrupted_and_resumed(root, d, m, 1, SCALER if d == "float16" else ())
+        for d, m in TWO_RANK_SCENARIOS
+    ]
