@@ -100,13 +100,18 @@ def test_state_dict_round_trip_restores_scale_and_growth_tracker(tmp_path):
     first, records = run_with_infs(tmp_path / "a", *GROWTH, steps=5, inf_steps={3, 4})
     assert records[-1]["grad_scaler/loss_scale"] == 256  # one clean step since the backoff
     state = first.plugins.call_each("state_dict")["grad_scaler"]
-    assert state == {"scale": torch.tensor(256.0), "growth_tracker": torch.tensor(1)}
+    assert state == {
+        "scale": torch.tensor(256.0),
+        "growth_tracker": torch.tensor(1),
+        "skipped_steps": torch.tensor(2),
+    }
     assert all(isinstance(v, torch.Tensor) for v in state.values())  # no pickled objects
 
     resumed = gst.make_trainer(tmp_path / "b", *gst.FP16, *ENABLE, *GROWTH, steps=1)
     plugin = resumed.plugins.get("grad_scaler")
     plugin.load_state_dict(state)
     assert plugin.state_dict() == state
+    assert plugin.skipped_steps == 2
     resumed.train()
     # The restored tracker makes the first clean step the second of the interval: growth.
     assert gst.read_metrics(tmp_path / "b")[-1]["grad_scaler/loss_scale"] == 256 * 4

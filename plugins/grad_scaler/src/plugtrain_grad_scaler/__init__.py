@@ -205,6 +205,7 @@ class GradScalerPlugin:
         return {
             "scale": torch.tensor(state["scale"], dtype=torch.float32),
             "growth_tracker": torch.tensor(state["_growth_tracker"], dtype=torch.int64),
+            "skipped_steps": torch.tensor(self.skipped_steps, dtype=torch.int64),
         }
 
     @hookimpl
@@ -216,6 +217,7 @@ class GradScalerPlugin:
         state["scale"] = float(state_dict["scale"])
         state["_growth_tracker"] = int(state_dict["growth_tracker"])
         scaler.load_state_dict(state)
+        self.skipped_steps = int(state_dict["skipped_steps"])
 
     def _active(self) -> torch.amp.GradScaler:
         # Hooks fire only after setup kept the plugin registered, i.e. created the scaler.
