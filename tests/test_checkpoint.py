@@ -24,10 +24,10 @@ from plugtrain.checkpoint import (
     flat_keys,
     read_checkpoint,
     to_tensors,
-    truncate_metrics,
 )
 from plugtrain.errors import ConfigError
 from plugtrain.launch import configure, run_cli
+from plugtrain.metrics import truncate_metrics
 from plugtrain.trainer import Trainer
 
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "2")

@@ -315,3 +315,14 @@ def test_all_ranks_option_logs_info_everywhere(capsys, restore_logger):
     metrics.setup_logging(3, all_ranks=True)
     restore_logger.info("hello")
     assert re.fullmatch(r"\[rank 3\] \d\d:\d\d:\d\d INFO hello\n", capsys.readouterr().err)
+
+
+def test_a_new_run_moves_an_earlier_runs_metrics_aside(tmp_path):
+    from runs import run_train_py, tiny_args
+
+    for steps in (2, 3):
+        result = run_train_py(tiny_args(tmp_path, steps=steps))
+        assert result.returncode == 0, result.stderr
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    moved = (tmp_path / "metrics.1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in moved] == [1, 2]

@@ -26,7 +26,6 @@ not have start afresh.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -311,37 +310,6 @@ def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-# --------------------------------------------------------------------------- metrics file
-
-
-def truncate_metrics(path: Path, step: int) -> int:
-    """Cut the JSONL metrics file at ``path`` before its first record of a step after ``step``
-    (or its first unreadable or unfinished line, left by a crash); return the bytes removed.
-
-    A resumed run then appends its records to exactly what an uninterrupted run would have
-    written by ``step``. NOTE: the file is cut in place rather than replaced, because the
-    trainer's MetricsLogger already holds it open in append mode.
-    """
-    if not path.is_file():
-        return 0
-    keep = 0
-    with path.open("rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                break
-            try:
-                record = json.loads(line)
-            except ValueError:
-                break
-            if isinstance(record, dict) and record.get("step", 0) > step:
-                break
-            keep += len(line)
-    removed = path.stat().st_size - keep
-    if removed:
-        os.truncate(path, keep)
-    return removed
-
-
 def _one_line(e: BaseException) -> str:
     """A short description of ``e``; DCP's CheckpointException is reduced to its first cause."""
     failures = getattr(e, "failures", None)
@@ -610,19 +578,15 @@ class CheckpointManager:
     # ----------------------------------------------------------------------- loading
 
     def load(self) -> None:
-        """Resume from the checkpoint ``checkpoint.load_step`` picks, if any; rank 0 then cuts
-        ``metrics.jsonl`` back to the resumed step, so that the run's records continue it.
-        From then on a SIGTERM makes the run save and stop at the end of the current step."""
+        """Resume from the checkpoint ``checkpoint.load_step`` picks, if any. From then on a
+        SIGTERM makes the run save and stop at the end of the current step."""
         if not self.config.enable:
             return
         chosen = self._choose()
-        step = 0
         if chosen is None:
             logger.info("no checkpoint to resume from in %s: training from step 0", self.folder)
         else:
-            step = self._load(chosen)
-        if self.world.is_main:
-            truncate_metrics(self.trainer.metrics.path, step)
+            self._load(chosen)
         if threading.current_thread() is threading.main_thread():
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._sigterm_installed = True
@@ -645,7 +609,7 @@ class CheckpointManager:
             return available[load_step]
         return available[max(available)] if available else None
 
-    def _load(self, path: Path) -> int:
+    def _load(self, path: Path) -> None:
         start = time.perf_counter()
         metadata = read_metadata(path)
         saved = metadata.state_dict_metadata
@@ -699,7 +663,6 @@ class CheckpointManager:
             train["tokens_seen"],
             time.perf_counter() - start,
         )
-        return train["step"]
 
     def _check(
         self,

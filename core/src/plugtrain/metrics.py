@@ -306,6 +306,33 @@ class WandbSink:
         self.run.finish()
 
 
+def truncate_metrics(path: Path, step: int) -> int:
+    """Cut the JSONL metrics file at ``path`` before its first record of a step after ``step``
+    (or its first unreadable or unfinished line, left by a crash); return the bytes removed.
+
+    A resumed run then appends its records to exactly what an uninterrupted run would have
+    written by ``step``.
+    """
+    if not path.is_file():
+        return 0
+    keep = 0
+    with path.open("rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                record = json.loads(line)
+            except ValueError:
+                break
+            if isinstance(record, dict) and record.get("step", 0) > step:
+                break
+            keep += len(line)
+    removed = path.stat().st_size - keep
+    if removed:
+        os.truncate(path, keep)
+    return removed
+
+
 class MetricsLogger:
     """Writes each record to ``<dump_folder>/metrics.jsonl``, the console and the optional sinks.
 
@@ -322,18 +349,36 @@ class MetricsLogger:
         if not enabled:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a")
         cfg = config.metrics
         if cfg.enable_tensorboard:
             self._sinks.append(TensorBoardSink(self.folder / "tensorboard"))
         if cfg.enable_wandb:
             self._sinks.append(WandbSink(self.folder, cfg.wandb_project, config.to_dict()))
 
+    def start(self, step: int) -> None:
+        """Open ``metrics.jsonl`` for a run that continues after ``step`` (0: a new run).
+
+        A resumed run cuts the file back to ``step``, so that its records continue the
+        interrupted run's exactly. A new run moves an earlier run's file aside, to
+        ``metrics.<N>.jsonl``, rather than mixing its records with it or deleting it.
+        """
+        if not self.enabled:
+            return
+        if step:
+            truncate_metrics(self.path, step)
+        elif self.path.is_file() and self.path.stat().st_size:
+            n = 1
+            while (self.folder / f"metrics.{n}.jsonl").exists():
+                n += 1
+            self.path.rename(self.folder / f"metrics.{n}.jsonl")
+            logger.info("an earlier run's metrics.jsonl was moved to metrics.%d.jsonl", n)
+        self._file = self.path.open("a")
+
     def log(self, record: Mapping[str, Any]) -> None:
         """Record one step's metrics; ``record`` holds ``step`` and plain numbers."""
         if not self.enabled:
             return
-        assert self._file is not None
+        assert self._file is not None, "MetricsLogger.start() opens the file"
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
         for sink in self._sinks:

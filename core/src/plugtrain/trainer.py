@@ -119,6 +119,7 @@ class Trainer:
         self.checkpointer = CheckpointManager(self)
         self.checkpointer.load()
         # NOTE: after the load, so that a refused resume leaves the run's records untouched.
+        self.metrics.start(self.step)
         if self.world.is_main:
             write_run_records(config, plugins.versions, self.world.world_size, self.device)
 
