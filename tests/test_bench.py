@@ -1,0 +1,133 @@
+"""The benchmarks in bench/ run (--quick) and write the JSON fields docs/benchmarks.md documents.
+
+No timing is asserted: these machines are shared. What is asserted is what must hold on any
+machine: the hand-written loop does the same work as plugtrain (equal losses), the inactive
+scaler leaves the profile unchanged while the active one does not, FSDP2 splits the shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD_FIELDS = {"benchmark", "command", "args", "machine", "time", "results"}
+MACHINE_FIELDS = {"cpu", "cpu_count", "torch_threads", "load_average", "python", "torch"}
+SUMMARY_FIELDS = {"median", "q1", "q3", "min", "max", "n"}
+
+
+def run_bench(name: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def quick_results(name: str, tmp_path: Path, *args: str) -> dict:
+    """Run ``bench/<name>.py --quick`` and return the ``results`` of the JSON it wrote."""
+    out = tmp_path / f"{name}.json"
+    result = run_bench(name, tmp_path, "--quick", "--out", str(out), *args)
+    assert result.returncode == 0, result.stderr
+    assert "| " in result.stdout  # the printed table
+    record = json.loads(out.read_text())
+    assert set(record) == RECORD_FIELDS
+    assert record["benchmark"] == name
+    assert record["args"]["quick"] is True
+    assert set(record["machine"]) >= MACHINE_FIELDS
+    return record["results"]
+
+
+@pytest.mark.slow
+def test_hook_overhead(tmp_path):
+    results = quick_results("hook_overhead", tmp_path)
+    cases = {c["case"]: c for c in results["cases"]}
+    assert list(cases) == ["debug-bf16", "tiny-fp16"]
+    assert cases["debug-bf16"]["plugins_active"] == ["grad_clip"]
+    assert sorted(cases["tiny-fp16"]["plugins_active"]) == ["grad_clip", "grad_scaler"]
+    for case in cases.values():
+        assert case["losses_bitwise_equal"] is True, case["case"]
+        assert case["rounds"] == 3
+        assert set(case["skipped_in_timed_steps"]) == {"plugtrain", "hand_written", "control"}
+        for measure in ("wall", "cpu"):
+            m = case[measure]
+            assert set(m["ratio"]) == SUMMARY_FIELDS and m["ratio"]["n"] == 3
+            assert m["ratio"]["median"] > 0 and len(m["ratio_ci95"]) == 2
+            assert {"a_seconds", "b_seconds", "ratio_of_medians", "control"} <= set(m)
+            assert m["control"]["ratio"]["n"] == 3  # C/B: two identical hand-written loops
+            assert isinstance(m["target_met"], bool) and isinstance(m["target_proven"], bool)
+    # B and C on A's own model: one shared training state, so no loss comparison.
+    (same,) = quick_results("hook_overhead", tmp_path, "--same-model", "--cases", "tiny-fp16")[
+        "cases"
+    ]
+    assert same["same_model"] is True and same["losses_bitwise_equal"] is None
+    assert same["cpu"]["ratio"]["n"] == 3
+
+
+@pytest.mark.slow
+def test_dispatch(tmp_path):
+    results = quick_results("dispatch", tmp_path)
+    assert results["target_us"] == 20.0
+    assert [(r["plugins"], r["grad_accum_steps"]) for r in results["noop"]] == [
+        (n, a) for n in (0, 2, 10) for a in (1, 4)
+    ]
+    for r in results["noop"]:
+        assert set(r["us_per_step"]) == SUMMARY_FIELDS
+        assert set(r["dispatch_us_per_step"]) == {"min", "median"}
+    active = {(r["dtype"], r["grad_accum_steps"]): r["active_plugins"] for r in results["shipped"]}
+    assert active[("bfloat16", 1)] == ["grad_clip"]
+    assert sorted(active[("float16", 4)]) == ["grad_clip", "grad_scaler"]
+    for r in results["shipped"]:
+        for key in ("dispatch_us_per_step", "plugin_python_us_per_step"):
+            assert set(r[key]) == {"min", "median"}
+        assert isinstance(r["target_met"], bool)
+
+
+@pytest.mark.slow
+def test_inactive_scaler(tmp_path):
+    results = quick_results("inactive_scaler", tmp_path)
+    assert results["processes"] == 2
+    for rank in results["ranks"]:
+        by_dtype = {r["dtype"]: r for r in rank["dtypes"]}
+        bf16, fp16 = by_dtype["bfloat16"], by_dtype["float16"]
+        assert bf16["identical"] is True and bf16["differing_ops"] == {}
+        assert bf16["inf_checks"] == {"without": 0, "with": 0}
+        assert bf16["collectives"]["without"] == bf16["collectives"]["with"] > 0
+        assert bf16["params_bitwise_equal"] is True
+        # The control: the active scaler shows up, so the comparison can tell.
+        assert fp16["identical"] is False
+        assert fp16["inf_checks"]["without"] == 0 < fp16["inf_checks"]["with"]
+        assert fp16["collectives"]["with"] > fp16["collectives"]["without"]
+
+
+@pytest.mark.slow
+def test_scaling(tmp_path):
+    results = quick_results("scaling", tmp_path)
+    one, two = results["configs"]
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert len(one["ranks"]) == 1 and len(two["ranks"]) == 2
+    assert one["tokens_per_s"] > 0 and two["tokens_per_s"] > 0
+    # FSDP2 shards parameters, gradients and AdamW's state: the two ranks' shards add up to
+    # the single process's tensors, and each holds about half.
+    for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+        total = one["ranks"][0][key]
+        shards = [r[key] for r in two["ranks"]]
+        assert sum(shards) == total > 0, key
+        assert all(0.4 * total < s < 0.6 * total for s in shards), (key, shards)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
+def test_gpu_bench_fails_fast_without_cuda(tmp_path):
+    result = run_bench("gpu", tmp_path, "--out", str(tmp_path / "gpu.json"))
+    assert result.returncode == 2
+    assert "bench/gpu.py: error: no CUDA device available" in result.stderr
+    assert not (tmp_path / "gpu.json").exists()
