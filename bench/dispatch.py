@@ -209,7 +209,7 @@ def shipped(flavor: str, dtype: str, accum: int, steps: int, reps: int) -> dict:
     loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]
     saved = [p.grad.detach().clone() for p in params]
-    ctx = StepContext(2, accum, model, trainer.optimizer)
+    ctx = StepContext(2, accum, model, trainer.optimizer, trainer.params)
 
     def reset() -> None:
         for p, g in zip(params, saved, strict=True):
@@ -304,7 +304,7 @@ def main() -> None:
     for n_plugins in (0, 2, 10):
         host = noop_host(n_plugins)
         for accum in (1, 4):
-            ctx = StepContext(1, accum, model, optimizer)
+            ctx = StepContext(1, accum, model, optimizer, tuple(model.parameters()))
             times = alternate(
                 {"hooks": functools.partial(fire_step, host), "direct": direct_caller(host)},
                 ctx,

@@ -71,7 +71,7 @@ class Failing:
 
 
 def step_ctx(step: int) -> StepContext:
-    return StepContext(step=step, num_microbatches=1, model=None, optimizer=None)
+    return StepContext(step=step, num_microbatches=1, model=None, optimizer=None, params=())
 
 
 @pytest.mark.parametrize("reverse", [False, True])

@@ -107,6 +107,10 @@ class StepContext:
     """Microbatches accumulated into this step (``training.grad_accum_steps``)."""
     model: nn.Module
     optimizer: Optimizer
+    params: tuple[nn.Parameter, ...]
+    """The model's parameters, in ``model.parameters()`` order (FSDP2 DTensors, sharded over
+    the mesh). NOTE: a tuple the trainer builds once: walking the module tree costs 50 us
+    (debug model) to 400 us (8B) per ``model.parameters()`` call."""
     microbatch: int = 0
     """Index of the current microbatch, ``0 .. num_microbatches - 1``."""
     loss: torch.Tensor | None = None
@@ -120,11 +124,11 @@ class StepContext:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The model's parameters (FSDP2 DTensors, sharded over the mesh)."""
-        return self.model.parameters()
+        return iter(self.params)
 
     def gradients(self) -> list[torch.Tensor]:
         """The gradients of this rank's parameters that have one (see :func:`gradients`)."""
-        return gradients(self.model)
+        return [p.grad for p in self.params if p.grad is not None]
 
 
 def gradients(model: nn.Module) -> list[torch.Tensor]:

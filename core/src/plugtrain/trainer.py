@@ -91,6 +91,8 @@ class Trainer:
             max_seq_len=max(FLAVORS[config.model.flavor].max_seq_len, train_cfg.seq_len),
         )
         self.model = self._build_model()
+        self.params = tuple(self.model.parameters())
+        """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -159,7 +161,7 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> tuple[torch.Tensor, StepContext]:
         """One optimizer step over ``batch``'s microbatches; returns the mean loss and context."""
-        ctx = StepContext(self.step + 1, len(batch), self.model, self.optimizer)
+        ctx = StepContext(self.step + 1, len(batch), self.model, self.optimizer, self.params)
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
         for ctx.microbatch, (inputs, targets) in enumerate(batch):
