@@ -5,14 +5,14 @@
     torchrun --nproc_per_node=2 train.py --config configs/debug.toml
     python train.py --help                            # every config field, with its docs
 
-The loop is plugtrain.trainer.Trainer; plugins enabled in the config hook into each step.
+The loop is plugtrain.training.trainer.Trainer; plugins enabled in the config hook into each step.
 """
 
 import sys
 
-from plugtrain.launch import configure, run_cli
-from plugtrain.parallel import destroy_world
-from plugtrain.trainer import Trainer
+from plugtrain.distributed import destroy_world
+from plugtrain.training.launch import configure, run_cli
+from plugtrain.training.trainer import Trainer
 
 
 def main() -> None:

@@ -204,7 +204,7 @@ def _worker(rank: int, nproc: int, port: int, out: str, fn: Callable, args: tupl
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
-    from plugtrain.parallel import destroy_world
+    from plugtrain.distributed import destroy_world
 
     try:
         result: Any = ("ok", fn(*args))

@@ -31,7 +31,7 @@ import benchlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from plugtrain.manager import PluginHost
+from plugtrain.host.plugin_host import PluginHost
 from plugtrain.plugin import StepContext, hookimpl
 
 NAME = "dispatch"
@@ -190,8 +190,8 @@ def shipped(flavor: str, dtype: str, accum: int, steps: int, reps: int) -> dict:
     Also times one ``list(ctx.parameters())``, a walk of the module tree, which grad_clip makes
     once per step where the hand-written loop reuses a list.
     """
-    from plugtrain.launch import configure
-    from plugtrain.trainer import Trainer, cross_entropy
+    from plugtrain.training.launch import configure
+    from plugtrain.training.trainer import Trainer, cross_entropy
 
     train_args = benchlib.trainer_args(
         flavor,

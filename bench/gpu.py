@@ -7,7 +7,7 @@
 2. Throughput of the "1B" flavour (Llama 3.2 1B shapes; the vocabulary is the sample
    tokenizer's) through ``Trainer.train_step`` with both plugins enabled: tokens/s, MFU (model
    FLOPs from ``ModelArgs.flops_per_token`` over the GPU's dense bf16/fp16 peak, from
-   ``plugtrain.metrics.peak_tflops``, as a training run's ``mfu_pct``) and peak
+   ``plugtrain.observability.metrics.peak_tflops``, as a training run's ``mfu_pct``) and peak
    memory, in bfloat16 and in float16 with the scaler. Targets: MFU >= 45% in bf16 on an
    H100/H200-class GPU; fp16 with the scaler within 3% of bf16 tokens/s.
 
@@ -72,8 +72,8 @@ def throughput(
     """Tokens/s, MFU and peak memory of ``Trainer.train_step`` with both plugins enabled."""
     from hook_overhead import PLUGINS, timed
 
-    from plugtrain.launch import configure
-    from plugtrain.trainer import Trainer
+    from plugtrain.training.launch import configure
+    from plugtrain.training.trainer import Trainer
 
     train_args = benchlib.trainer_args(
         flavor,
@@ -147,7 +147,7 @@ def main() -> None:
     require_cuda()
     from hook_overhead import Case, run_case
 
-    from plugtrain import metrics
+    from plugtrain.observability import metrics
 
     start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -36,11 +36,11 @@ import benchlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from plugtrain.launch import configure
-from plugtrain.lr import build_lr_scheduler
-from plugtrain.model import Transformer
-from plugtrain.parallel import shard_model
-from plugtrain.trainer import Batch, Trainer, cross_entropy
+from plugtrain.model.sharding import shard_model
+from plugtrain.model.transformer import Transformer
+from plugtrain.training.launch import configure
+from plugtrain.training.lr import build_lr_scheduler
+from plugtrain.training.trainer import Batch, Trainer, cross_entropy
 
 NAME = "hook_overhead"
 PLUGINS = ["grad_clip", "grad_scaler"]

@@ -38,8 +38,8 @@ def profile_steps(
 ) -> tuple[Counter, list[str], list[torch.Tensor]]:
     """Op counts over ``steps`` profiled steps (after one unprofiled), the active plugins, and
     the full parameters afterwards."""
-    from plugtrain.launch import configure
-    from plugtrain.trainer import Trainer
+    from plugtrain.training.launch import configure
+    from plugtrain.training.trainer import Trainer
 
     train_args = benchlib.trainer_args(
         flavor, dtype, "--plugins.enabled", ",".join(plugins), batch_size=8, seq_len=64

@@ -56,8 +56,8 @@ def worker(train_args: list[str], threads: int, warmup: int, steps: int) -> dict
     """One rank: build the trainer, time ``steps`` steps after ``warmup``, measure its memory."""
     torch.set_num_threads(threads)
     rss_after_import = rss_mib()
-    from plugtrain.launch import configure
-    from plugtrain.trainer import Trainer
+    from plugtrain.training.launch import configure
+    from plugtrain.training.trainer import Trainer
 
     config, host = configure(train_args)
     trainer = Trainer(config, host)

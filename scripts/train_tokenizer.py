@@ -10,7 +10,7 @@ byte-identical file.
 
 The tokenizer is GPT-2 style byte-level BPE (any UTF-8 text round-trips exactly, no unknown
 token) with the Llama 3 special token names ``<|begin_of_text|>`` and ``<|end_of_text|>`` at
-ids 0 and 1, so ``plugtrain.tokenizer.Tokenizer`` treats it and a Llama 3 ``tokenizer.json``
+ids 0 and 1, so ``plugtrain.data.tokenizer.Tokenizer`` treats it and a Llama 3 ``tokenizer.json``
 alike. No post-processor is attached: the data pipeline adds the special tokens itself.
 """
 

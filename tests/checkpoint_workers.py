@@ -13,9 +13,9 @@ import torch
 from conftest import read_metrics
 from runs import tiny_args
 
-from plugtrain.launch import configure
 from plugtrain.plugin import SetupContext, StepContext, hookimpl
-from plugtrain.trainer import Trainer
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
 
 K = 4
 """Steps before the interruption; every scenario trains 2K steps in all."""

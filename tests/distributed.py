@@ -13,7 +13,7 @@ from typing import Any
 import torch.multiprocessing as mp
 from runs import free_port
 
-from plugtrain.parallel import destroy_world
+from plugtrain.distributed import destroy_world
 
 
 def _worker(rank: int, world_size: int, port: int, out: str, fn: Callable, args: tuple) -> None:

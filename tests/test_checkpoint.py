@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import read_metrics
 from runs import REPO, run_train_py, tiny_args
 
-from plugtrain.checkpoint import (
+from plugtrain.checkpoint.manager import (
     FAULT_ENV,
     CheckpointError,
     complete_checkpoints,
@@ -26,9 +26,9 @@ from plugtrain.checkpoint import (
     to_tensors,
 )
 from plugtrain.errors import ConfigError
-from plugtrain.launch import configure, run_cli
-from plugtrain.metrics import truncate_metrics
-from plugtrain.trainer import Trainer
+from plugtrain.observability.metrics import truncate_metrics
+from plugtrain.training.launch import configure, run_cli
+from plugtrain.training.trainer import Trainer
 
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "2")
 

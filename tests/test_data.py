@@ -1,4 +1,4 @@
-"""Tests of plugtrain.data: JSONL loading, tokenization, packing and the batch loaders."""
+"""Tests of plugtrain.data.pipeline: JSONL loading, tokenization, packing and the batch loaders."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tokenizers
 import torch
 from tokenizers import models
 
-from plugtrain.data import (
+from plugtrain.data.pipeline import (
     PackedDataset,
     StatefulBatchLoader,
     build_dataset,
@@ -18,7 +18,7 @@ from plugtrain.data import (
     load_jsonl_texts,
     tokenize_documents,
 )
-from plugtrain.tokenizer import Tokenizer
+from plugtrain.data.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 3

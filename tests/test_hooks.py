@@ -6,9 +6,9 @@ import pytest
 import torch
 from runs import tiny_args
 
-from plugtrain.launch import configure
 from plugtrain.plugin import StepContext, hookimpl
-from plugtrain.trainer import Trainer
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
 
 
 def make_trainer(tmp_path, *args: str, extra: dict | None = None, steps: int = 3) -> Trainer:

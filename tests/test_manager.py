@@ -10,9 +10,9 @@ import textwrap
 import pytest
 
 from plugtrain.errors import PluginError
-from plugtrain.launch import configure
-from plugtrain.manager import ENTRY_POINT_GROUP, PluginHost, installed_plugins
+from plugtrain.host.plugin_host import ENTRY_POINT_GROUP, PluginHost, installed_plugins
 from plugtrain.plugin import SetupContext, hookimpl
+from plugtrain.training.launch import configure
 
 
 def fake_entry_points(monkeypatch, **targets: str) -> None:
@@ -150,7 +150,7 @@ def third_party(tmp_path, monkeypatch):
 def test_installed_distribution_is_discovered_enabled_and_fires(third_party, tmp_path):
     from runs import tiny_args
 
-    from plugtrain.trainer import Trainer
+    from plugtrain.training.trainer import Trainer
 
     plugins = installed_plugins()
     assert plugins["tp_on"].distribution == "plugtrain-tp_on"

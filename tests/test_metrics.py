@@ -17,13 +17,19 @@ import torch
 from conftest import read_metrics
 from runs import REPO, VALIDATION, tiny_args
 
-from plugtrain import metrics
+from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import ConfigError
-from plugtrain.launch import configure
-from plugtrain.metrics import StepTimer, format_line, peak_tflops, throughput, use_color
-from plugtrain.model import FLAVORS
-from plugtrain.tokenizer import Tokenizer
-from plugtrain.trainer import Trainer
+from plugtrain.model.transformer import FLAVORS
+from plugtrain.observability import metrics
+from plugtrain.observability.metrics import (
+    StepTimer,
+    format_line,
+    peak_tflops,
+    throughput,
+    use_color,
+)
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
 
 PHASE_KEYS = ["time_data_s", "time_fwd_bwd_s", "time_hooks_s", "time_optimizer_s"]
 STEP_KEYS = {

@@ -1,4 +1,4 @@
-"""Tests of plugtrain.model: shapes, causality, GQA and RoPE against references, the
+"""Tests of plugtrain.model.transformer: shapes, causality, GQA and RoPE against references, the
 sharding-invariant init (1 process, meta + to_empty, 2-process FSDP2), parameter and FLOP
 counts."""
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from plugtrain.model import (
+from plugtrain.model.transformer import (
     FLAVORS,
     ModelArgs,
     Transformer,

@@ -10,9 +10,9 @@ from runs import VALIDATION, tiny_args
 
 from plugtrain import cli
 from plugtrain.errors import DataError, MissingFileError, UserError
-from plugtrain.launch import configure
-from plugtrain.plot import plot_runs, read_run
-from plugtrain.trainer import Trainer
+from plugtrain.observability.plot import plot_runs, read_run
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

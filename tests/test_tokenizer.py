@@ -1,4 +1,4 @@
-"""Tests of plugtrain.tokenizer and of scripts/train_tokenizer.py."""
+"""Tests of plugtrain.data.tokenizer and of scripts/train_tokenizer.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import tokenizers
 from tokenizers import models, processors
 
-from plugtrain.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from plugtrain.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE_TOKENIZER = ROOT / "data" / "shakespeare" / "tokenizer.json"

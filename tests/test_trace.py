@@ -9,13 +9,13 @@ import pluggy
 import pytest
 from runs import tiny_args
 
-from plugtrain import trace
 from plugtrain.errors import ConfigError
-from plugtrain.launch import configure
-from plugtrain.manager import PluginHost
+from plugtrain.host.plugin_host import PluginHost
+from plugtrain.observability import trace
+from plugtrain.observability.trace import HookTracer, format_summary, tracing_requested
 from plugtrain.plugin import StepContext, hookimpl
-from plugtrain.trace import HookTracer, format_summary, tracing_requested
-from plugtrain.trainer import Trainer
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
 
 
 def read_trace(folder, rank: int = 0) -> tuple[list[dict], dict]:

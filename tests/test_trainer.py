@@ -9,9 +9,9 @@ from conftest import read_metrics
 from runs import tiny_args
 
 from plugtrain.config import LRScheduler
-from plugtrain.launch import configure
-from plugtrain.lr import lr_factor
-from plugtrain.trainer import Trainer
+from plugtrain.training.launch import configure
+from plugtrain.training.lr import lr_factor
+from plugtrain.training.trainer import Trainer
 
 
 def train(dump_folder, *args: str, steps: int = 4) -> list[dict]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from runs import tiny_args
 
-from plugtrain.launch import configure
 from plugtrain.plugin import hookimpl
-from plugtrain.trainer import Trainer
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
 
 
 class StepWatcher:

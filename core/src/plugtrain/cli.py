@@ -10,9 +10,9 @@ import argparse
 import sys
 
 from plugtrain.config import enabled_plugins, merged_values, parse_command_line
-from plugtrain.launch import run_cli
-from plugtrain.manager import PluginHost, installed_plugins
-from plugtrain.plot import plot_runs
+from plugtrain.host.plugin_host import PluginHost, installed_plugins
+from plugtrain.observability.plot import plot_runs
+from plugtrain.training.launch import run_cli
 
 
 def list_plugins(config_args: list[str]) -> int:

@@ -38,12 +38,12 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"
-    """Model size, a key of ``plugtrain.model.FLAVORS`` (``tiny``, ``debug``, ``1B``, ``8B``...)."""
+    """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.transformer.FLAVORS``)."""
     tokenizer_path: str = "data/shakespeare/tokenizer.json"
     """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's."""
 
     def __post_init__(self) -> None:
-        from plugtrain.model import FLAVORS
+        from plugtrain.model.transformer import FLAVORS
 
         if self.flavor not in FLAVORS:
             raise ConfigError(
@@ -176,7 +176,7 @@ class Metrics:
     """Log INFO from every rank, prefixed with its rank (by default only rank 0 does)."""
 
     def __post_init__(self) -> None:
-        from plugtrain.metrics import require_extra
+        from plugtrain.observability.metrics import require_extra
 
         check_field(self.log_freq >= 1, "metrics", "log_freq", f"must be >= 1, got {self.log_freq}")
         check_field(

@@ -10,7 +10,7 @@ from runs import tiny_args
 
 from plugtrain.config import build_config
 from plugtrain.errors import ConfigError
-from plugtrain.launch import configure
+from plugtrain.training.launch import configure
 
 
 def section(**values) -> GradClipConfig:

@@ -13,12 +13,12 @@ from distributed import run_distributed
 from runs import tiny_args
 
 from plugtrain.config import JobConfig
-from plugtrain.data import StatefulBatchLoader, build_dataset
-from plugtrain.launch import configure
-from plugtrain.lr import build_lr_scheduler
-from plugtrain.model import FLAVORS, Transformer
-from plugtrain.tokenizer import Tokenizer
-from plugtrain.trainer import cross_entropy
+from plugtrain.data.pipeline import StatefulBatchLoader, build_dataset
+from plugtrain.data.tokenizer import Tokenizer
+from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.training.launch import configure
+from plugtrain.training.lr import build_lr_scheduler
+from plugtrain.training.trainer import cross_entropy
 
 STEPS = 4
 # Measured: the 2-process parameters are within 4e-7 of the reference after 4 steps; clipping

@@ -9,7 +9,7 @@ import torch
 from conftest import read_metrics
 from grad_clip_workers import clip_args, make_trainer
 
-from plugtrain.manager import installed_plugins
+from plugtrain.host.plugin_host import installed_plugins
 from plugtrain.plugin import hookimpl
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from plugtrain.plugin import gradients, hookimpl, local_tensor
-from plugtrain.trainer import Trainer, cross_entropy
+from plugtrain.training.trainer import Trainer, cross_entropy
 
 STEPS = 6
 INF_STEPS = {2, 5}

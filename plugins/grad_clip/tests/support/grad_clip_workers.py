@@ -15,9 +15,9 @@ import torch
 from runs import tiny_args
 from workers import StepWatcher
 
-from plugtrain.launch import configure
 from plugtrain.plugin import hookimpl, local_tensor
-from plugtrain.trainer import Trainer
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
 
 
 def make_trainer(

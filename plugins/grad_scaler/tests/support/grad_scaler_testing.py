@@ -15,9 +15,9 @@ from runs import tiny_args
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.profiler import ProfilerActivity, profile
 
-from plugtrain.launch import configure
 from plugtrain.plugin import StepContext, gradients, hookimpl, local_tensor
-from plugtrain.trainer import Trainer, cross_entropy
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer, cross_entropy
 
 FP16 = ("--training.mixed_precision_param", "float16")
 

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from plugtrain.errors import UserError
 
 if TYPE_CHECKING:
-    from plugtrain.trainer import Trainer
+    from plugtrain.training.trainer import Trainer
 
 logger = logging.getLogger("plugtrain")
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError, MissingFileError
-from plugtrain.tokenizer import Tokenizer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 """(inputs, targets), both int64 of shape [batch, seq_len]; targets are inputs shifted by one."""

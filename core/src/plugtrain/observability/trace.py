@@ -37,7 +37,7 @@ from typing import Any
 import pluggy
 
 from plugtrain.errors import ConfigError
-from plugtrain.manager import PluginHost
+from plugtrain.host.plugin_host import PluginHost
 
 logger = logging.getLogger("plugtrain")
 

@@ -15,12 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugtrain.checkpoint import CheckpointManager
+from plugtrain.checkpoint.manager import CheckpointManager
 from plugtrain.config import JobConfig
-from plugtrain.data import PackedDataset, StatefulBatchLoader, build_dataset, iter_eval_batches
-from plugtrain.lr import build_lr_scheduler
-from plugtrain.manager import PluginHost
-from plugtrain.metrics import (
+from plugtrain.data.pipeline import (
+    PackedDataset,
+    StatefulBatchLoader,
+    build_dataset,
+    iter_eval_batches,
+)
+from plugtrain.data.tokenizer import Tokenizer
+from plugtrain.distributed import World, all_reduce_mean, init_world
+from plugtrain.host.plugin_host import PluginHost
+from plugtrain.model.sharding import DTYPES, shard_model
+from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.observability.metrics import (
     MetricsLogger,
     StepTimer,
     peak_memory_gib,
@@ -30,11 +38,9 @@ from plugtrain.metrics import (
     to_number,
     write_run_records,
 )
-from plugtrain.model import FLAVORS, Transformer
-from plugtrain.parallel import DTYPES, World, all_reduce_mean, init_world, shard_model
+from plugtrain.observability.trace import HookTracer, tracing_requested
 from plugtrain.plugin import SetupContext, StepContext
-from plugtrain.tokenizer import Tokenizer
-from plugtrain.trace import HookTracer, tracing_requested
+from plugtrain.training.lr import build_lr_scheduler
 
 logger = logging.getLogger("plugtrain")
 

@@ -1,7 +1,7 @@
-"""torch.distributed set-up and FSDP2 sharding.
+"""The process group and device mesh, the same for one process or many, on one machine or many.
 
-One code path for every launch: plain ``python train.py`` runs as a world of one process (a
-private in-memory store, no ports), ``torchrun`` gives N processes on one or several machines.
+Plain ``python train.py`` runs as a world of one process (a private in-memory store, no ports);
+``torchrun`` gives N processes on one or several machines.
 CPU uses the gloo backend, CUDA uses NCCL.
 """
 
@@ -12,13 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from plugtrain.errors import ConfigError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -66,19 +62,6 @@ def init_world(device_choice: str) -> World:
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     return World(dist.get_rank(), world_size, local_rank, device, mesh)
-
-
-def shard_model(
-    model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype
-) -> MixedPrecisionPolicy:
-    """Apply FSDP2 to each transformer block, then to the root; return the policy used."""
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    layers = list(model.layers)
-    for i, block in enumerate(layers):
-        # NOTE: the last block stays gathered after forward, since backward needs it at once.
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return policy
 
 
 def all_reduce_mean(values: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from plugtrain.config import (
     parse_command_line,
 )
 from plugtrain.errors import UserError
-from plugtrain.manager import PluginHost, installed_plugins
+from plugtrain.host.plugin_host import PluginHost, installed_plugins
 
 
 def configure(argv: list[str]) -> tuple[JobConfig, PluginHost] | None:

@@ -1,0 +1,1 @@
+"""Checkpointing: DCP checkpoints, exact resume, preemption."""

@@ -1,0 +1,1 @@
+"""Data: the tokenizer, and the pipeline from documents to training batches."""

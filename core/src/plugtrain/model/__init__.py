@@ -1,0 +1,1 @@
+"""The model: a Llama-style transformer and its FSDP2 sharding."""

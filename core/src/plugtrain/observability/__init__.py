@@ -1,0 +1,1 @@
+"""Observability: step metrics and their sinks, hook tracing, plots of runs."""
