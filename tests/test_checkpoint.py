@@ -19,13 +19,12 @@ from runs import REPO, run_train_py, tiny_args
 
 from plugtrain.checkpoint.manager import (
     FAULT_ENV,
-    CheckpointError,
     complete_checkpoints,
     flat_keys,
     read_checkpoint,
     to_tensors,
 )
-from plugtrain.errors import ConfigError
+from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.observability.metrics import truncate_metrics
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer

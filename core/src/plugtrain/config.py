@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from plugtrain.errors import ConfigError, did_you_mean
-from plugtrain.plugin import check_field
+from plugtrain.errors import ConfigError, FieldError, check_field, did_you_mean, require_extra
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -74,7 +73,7 @@ class Training:
     def __post_init__(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
             value = getattr(self, key)
-            check_field(value >= 1, "training", key, f"must be >= 1, got {value}")
+            check_field(value >= 1, key, f"must be >= 1, got {value}")
 
 
 @dataclass
@@ -89,19 +88,15 @@ class Optimizer:
     """Decoupled weight decay, applied to every parameter."""
 
     def __post_init__(self) -> None:
-        check_field(
-            0 < self.lr < math.inf, "optimizer", "lr", f"must be finite and > 0, got {self.lr}"
-        )
+        check_field(0 < self.lr < math.inf, "lr", f"must be finite and > 0, got {self.lr}")
         check_field(
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-            "optimizer",
             "betas",
             f"must be two numbers in [0, 1), got {self.betas}",
         )
-        check_field(self.eps > 0, "optimizer", "eps", f"must be > 0, got {self.eps}")
+        check_field(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
         check_field(
             self.weight_decay >= 0,
-            "optimizer",
             "weight_decay",
             f"must be >= 0, got {self.weight_decay}",
         )
@@ -119,13 +114,11 @@ class LRScheduler:
     def __post_init__(self) -> None:
         check_field(
             self.warmup_steps >= 0,
-            "lr_scheduler",
             "warmup_steps",
             f"must be >= 0, got {self.warmup_steps}",
         )
         check_field(
             0 <= self.min_lr_ratio <= 1,
-            "lr_scheduler",
             "min_lr_ratio",
             f"must be in [0, 1], got {self.min_lr_ratio}",
         )
@@ -151,10 +144,8 @@ class Validation:
     """Validation batches (of ``training.batch_size`` sequences) per evaluation."""
 
     def __post_init__(self) -> None:
-        check_field(
-            self.interval >= 0, "validation", "interval", f"must be >= 0, got {self.interval}"
-        )
-        check_field(self.steps >= 1, "validation", "steps", f"must be >= 1, got {self.steps}")
+        check_field(self.interval >= 0, "interval", f"must be >= 0, got {self.interval}")
+        check_field(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
 
 
 @dataclass
@@ -176,12 +167,8 @@ class Metrics:
     """Log INFO from every rank, prefixed with its rank (by default only rank 0 does)."""
 
     def __post_init__(self) -> None:
-        from plugtrain.observability.metrics import require_extra
-
-        check_field(self.log_freq >= 1, "metrics", "log_freq", f"must be >= 1, got {self.log_freq}")
-        check_field(
-            self.peak_tflops >= 0, "metrics", "peak_tflops", f"must be >= 0, got {self.peak_tflops}"
-        )
+        check_field(self.log_freq >= 1, "log_freq", f"must be >= 1, got {self.log_freq}")
+        check_field(self.peak_tflops >= 0, "peak_tflops", f"must be >= 0, got {self.peak_tflops}")
         if self.enable_tensorboard:
             require_extra("tensorboard", "tensorboard", "metrics.enable_tensorboard")
         if self.enable_wandb:
@@ -206,24 +193,19 @@ class Checkpoint:
     training goes on (``dcp.async_save``); ``disabled``: training waits for each save."""
 
     def __post_init__(self) -> None:
-        check_field(
-            self.interval >= 1, "checkpoint", "interval", f"must be >= 1, got {self.interval}"
-        )
+        check_field(self.interval >= 1, "interval", f"must be >= 1, got {self.interval}")
         check_field(
             self.keep_latest_k >= 0,
-            "checkpoint",
             "keep_latest_k",
             f"must be >= 0 (0 keeps all), got {self.keep_latest_k}",
         )
         check_field(
             self.load_step >= -1,
-            "checkpoint",
             "load_step",
             f"must be -1 (latest), 0 (none) or a step, got {self.load_step}",
         )
         check_field(
             self.enable or self.load_step == -1,
-            "checkpoint",
             "load_step",
             "needs checkpoint.enable = true: add --checkpoint.enable true",
         )
@@ -374,7 +356,10 @@ def build_section(cls: type, section: str, values: dict[str, Any]) -> Any:
                 f"[{section}] has: {', '.join(sorted(fields))}"
             )
         kwargs[key] = coerce(value, hints[key], f"{section}.{key}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except FieldError as e:
+        raise ConfigError(f"config key '{section}.{e.key}' {e.message}") from None
 
 
 @functools.cache

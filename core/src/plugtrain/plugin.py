@@ -15,7 +15,7 @@ import pluggy
 import torch
 from torch import nn
 
-from plugtrain.errors import ConfigError, PluginError
+from plugtrain.errors import ConfigError, PluginError, check_field
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -144,16 +144,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local part of ``t``: ``to_local()`` of a DTensor, ``t`` itself otherwise."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
-
-
-def check_field(condition: bool, section: str, key: str, message: str) -> None:
-    """Raise :class:`ConfigError` naming ``[section] key`` unless ``condition`` holds.
-
-    For config dataclasses' ``__post_init__``: ``check_field(self.max_norm > 0, "grad_clip",
-    "max_norm", f"must be > 0, got {self.max_norm}")``.
-    """
-    if not condition:
-        raise ConfigError(f"config key '{section}.{key}' {message}")
 
 
 MetricValue = float | int | torch.Tensor

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from plugtrain.errors import UserError
+from plugtrain.errors import CheckpointError, one_line
 
 if TYPE_CHECKING:
     from plugtrain.training.trainer import Trainer
@@ -68,10 +68,6 @@ does not exist yet (it is created first), so that a restarted run does not crash
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL, _DELETING = ".partial", ".deleting"
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be resumed from: missing, damaged, or of another model."""
 
 
 # --------------------------------------------------------------------------- the folder
@@ -174,7 +170,7 @@ def read_metadata(path: Path) -> Metadata:
         ) from e
     except Exception as e:
         raise CheckpointError(
-            f"checkpoint {path} is damaged: cannot read its .metadata ({_one_line(e)}); delete "
+            f"checkpoint {path} is damaged: cannot read its .metadata ({one_line(e)}); delete "
             "it to resume from the one before, or pick one with --checkpoint.load_step"
         ) from e
 
@@ -308,15 +304,6 @@ def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
     )  # fmt: skip
     if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def _one_line(e: BaseException) -> str:
-    """A short description of ``e``; DCP's CheckpointException is reduced to its first cause."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        e = next(iter(failures.values()))[0]
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 # --------------------------------------------------------------------------- fault injection
@@ -635,7 +622,7 @@ class CheckpointManager:
             )
         except (Exception, dcp.CheckpointException) as e:
             raise CheckpointError(
-                f"checkpoint {path} is damaged: {_one_line(e)}; delete it to resume from the one "
+                f"checkpoint {path} is damaged: {one_line(e)}; delete it to resume from the one "
                 "before, or pick one with --checkpoint.load_step"
             ) from e
         state = from_tensors(template, storable)

@@ -17,7 +17,7 @@ from typing import Any
 import pluggy
 
 from plugtrain import hookspecs
-from plugtrain.errors import PluginError, did_you_mean
+from plugtrain.errors import PluginError, did_you_mean, one_line
 from plugtrain.plugin import PROJECT_NAME
 
 ENTRY_POINT_GROUP = "plugtrain.plugins"
@@ -113,7 +113,7 @@ class PluginHost:
         try:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as e:
-            raise PluginError(f"plugin '{name}': {_one_line(e)}") from e
+            raise PluginError(f"plugin '{name}': {one_line(e)}") from e
         for hook_name in self._implemented(plugin):
             if hook_name not in self.hook_names():
                 self.pm.unregister(plugin)
@@ -164,7 +164,3 @@ class PluginHost:
             if result is not None:
                 results[impl.plugin_name] = result
         return results
-
-
-def _one_line(e: Exception) -> str:
-    return " ".join(str(e).split())

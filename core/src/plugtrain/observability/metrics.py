@@ -42,7 +42,6 @@ At start-up rank 0 also writes ``config.json`` (the resolved config, after overr
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import logging
 import math
@@ -56,8 +55,6 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
-
-from plugtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from plugtrain.config import JobConfig
@@ -79,18 +76,6 @@ def to_number(value: Any) -> float:
         full_tensor = getattr(value, "full_tensor", None)
         value = (full_tensor() if full_tensor else value).item()
     return float(value)
-
-
-def require_extra(module: str, extra: str, option: str) -> None:
-    """Raise a one-line :class:`ConfigError` if optional package ``module`` is not installed.
-
-    Checked when the config is built, so every rank stops before training starts.
-    """
-    if importlib.util.find_spec(module) is None:
-        raise ConfigError(
-            f"{option} needs the '{module}' package, which is not installed: "
-            f"pip install 'plugtrain[{extra}]'"
-        )
 
 
 # --------------------------------------------------------------------------- step timing

@@ -37,13 +37,11 @@ class GradClipConfig:
     def __post_init__(self) -> None:
         check_field(
             0 < self.max_norm < math.inf,
-            NAME,
             "max_norm",
             f"must be finite and > 0, got {self.max_norm}",
         )
         check_field(
             self.norm_type > 0,
-            NAME,
             "norm_type",
             f"must be > 0 (2.0 for the Euclidean norm, inf for the max norm), got {self.norm_type}",
         )

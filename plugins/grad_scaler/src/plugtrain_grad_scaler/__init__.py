@@ -53,25 +53,21 @@ class GradScalerConfig:
     def __post_init__(self) -> None:
         check_field(
             0 < self.init_scale < float("inf"),
-            NAME,
             "init_scale",
             f"must be finite and > 0, got {self.init_scale}",
         )
         check_field(
             1 < self.growth_factor < float("inf"),
-            NAME,
             "growth_factor",
             f"must be finite and > 1, got {self.growth_factor}",
         )
         check_field(
             0 < self.backoff_factor < 1,
-            NAME,
             "backoff_factor",
             f"must be in (0, 1), got {self.backoff_factor}",
         )
         check_field(
             self.growth_interval >= 1,
-            NAME,
             "growth_interval",
             f"must be >= 1, got {self.growth_interval}",
         )

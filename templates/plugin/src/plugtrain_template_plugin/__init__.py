@@ -22,7 +22,6 @@ class TemplatePluginConfig:
     def __post_init__(self) -> None:
         check_field(
             self.factor > 0,
-            "template_plugin",
             "factor",
             f"must be > 0, got {self.factor}",
         )
