@@ -20,14 +20,9 @@ from runs import REPO, VALIDATION, tiny_args
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import ConfigError
 from plugtrain.model.transformer import FLAVORS
-from plugtrain.observability import metrics
-from plugtrain.observability.metrics import (
-    StepTimer,
-    format_line,
-    peak_tflops,
-    throughput,
-    use_color,
-)
+from plugtrain.observability import logs, timing
+from plugtrain.observability.metrics import format_line, use_color
+from plugtrain.observability.timing import StepTimer, peak_tflops, throughput
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
 
@@ -181,7 +176,7 @@ def test_missing_optional_package_is_one_line_naming_the_extra(
 
 def fake_clock(monkeypatch, readings: list[float]) -> None:
     ticks = iter(readings)
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks))
 
 
 def test_step_timer_splits_each_step_into_phases_and_averages_a_window(monkeypatch):
@@ -304,7 +299,7 @@ def restore_logger():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_rank_0_logs_info_other_ranks_warnings_once_with_their_rank(capsys, restore_logger, rank):
-    metrics.setup_logging(rank)
+    logs.setup_logging(rank)
     log = restore_logger
     log.info("step line")
     for _ in range(3):
@@ -318,7 +313,7 @@ def test_rank_0_logs_info_other_ranks_warnings_once_with_their_rank(capsys, rest
 
 
 def test_all_ranks_option_logs_info_everywhere(capsys, restore_logger):
-    metrics.setup_logging(3, all_ranks=True)
+    logs.setup_logging(3, all_ranks=True)
     restore_logger.info("hello")
     assert re.fullmatch(r"\[rank 3\] \d\d:\d\d:\d\d INFO hello\n", capsys.readouterr().err)
 

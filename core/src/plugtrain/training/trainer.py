@@ -28,16 +28,9 @@ from plugtrain.distributed import World, all_reduce_mean, init_world
 from plugtrain.host.plugin_host import PluginHost
 from plugtrain.model.sharding import DTYPES, shard_model
 from plugtrain.model.transformer import FLAVORS, Transformer
-from plugtrain.observability.metrics import (
-    MetricsLogger,
-    StepTimer,
-    peak_memory_gib,
-    peak_tflops,
-    setup_logging,
-    throughput,
-    to_number,
-    write_run_records,
-)
+from plugtrain.observability.logs import setup_logging
+from plugtrain.observability.metrics import MetricsLogger, to_number, write_run_records
+from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflops, throughput
 from plugtrain.observability.trace import HookTracer, tracing_requested
 from plugtrain.plugin import SetupContext, StepContext
 from plugtrain.training.lr import build_lr_scheduler

@@ -1,0 +1,115 @@
+"""Performance of the step: phase timing, throughput, MFU and peak memory."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+
+import torch
+
+logger = logging.getLogger("plugtrain")
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA max allocated, or the CPU's max resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # NOTE: ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class StepTimer:
+    """Wall-clock time of each phase of the training step, summed over a logging window.
+
+    The trainer calls :meth:`start_step`, then :meth:`lap` at the end of each phase: the time
+    since the previous lap is added to that phase. Laps are ``time.perf_counter`` readings and
+    never synchronise the device. On CPU they are exact. On CUDA they are host times: a phase
+    that waits for the GPU (a ``.item()``, a full launch queue) absorbs that wait, so the split
+    is indicative; the total is exact over each window, because :meth:`window` synchronises the
+    device once, at the logging step, and counts that wait in the step's last phase.
+    """
+
+    PHASES = ("data", "fwd_bwd", "hooks", "optimizer")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._steps = 0
+        self._last = 0.0
+        self._phase = self.PHASES[-1]
+
+    def start_step(self) -> None:
+        """Start timing a step (time between steps, logging and validation, is not counted)."""
+        self._steps += 1
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Count the time since the previous lap (or :meth:`start_step`) in ``phase``."""
+        now = time.perf_counter()
+        self._seconds[phase] += now - self._last
+        self._last, self._phase = now, phase
+
+    def window(self) -> dict[str, float]:
+        """Mean seconds per step of each phase since the previous window; starts a new one.
+
+        Returns ``time_step_s`` and ``time_<phase>_s`` for each phase.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.lap(self._phase)
+        steps = max(self._steps, 1)
+        times = {f"time_{p}_s": s / steps for p, s in self._seconds.items()}
+        times = {"time_step_s": sum(times.values()), **times}
+        self._seconds = dict.fromkeys(self.PHASES, 0.0)
+        self._steps = 0
+        return times
+
+
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's data sheets; fp16 has
+# the same peak. Matched against torch.cuda.get_device_name, most specific names first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200 NVL", 835.5),
+    ("H200", 989.5),  # H200 SXM, GH200
+    ("H100 NVL", 835.5),
+    ("H100 PCIe", 756.5),
+    ("H100", 989.5),  # H100 SXM
+    ("A100", 312.0),
+)
+
+
+def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
+    """The device's peak TFLOP/s for MFU: ``override`` if > 0, the table's entry for a known
+    GPU, else None (CPU, or an unknown GPU: MFU is then omitted rather than invented)."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
+    if peak is None:
+        logger.warning(
+            "MFU is not reported: no peak TFLOP/s known for GPU '%s'; set metrics.peak_tflops",
+            name,
+        )
+    return peak
+
+
+def throughput(
+    tokens_per_step: int,
+    step_seconds: float,
+    world_size: int,
+    flops_per_token: int,
+    peak: float | None,
+) -> dict[str, float]:
+    """Tokens per second (global and per rank), achieved TFLOP/s per rank, MFU in percent."""
+    tokens_per_sec = tokens_per_step / step_seconds
+    per_rank = tokens_per_sec / world_size
+    out = {
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_per_rank": per_rank,
+        "tflops": per_rank * flops_per_token / 1e12,
+    }
+    if peak:
+        out["mfu_pct"] = 100 * out["tflops"] / peak
+    return out
