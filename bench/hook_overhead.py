@@ -36,10 +36,9 @@ import benchlib
 import torch
 from torch.distributed.tensor import DTensor
 
-from plugtrain.model.sharding import shard_model
-from plugtrain.model.transformer import Transformer
+from plugtrain.model.sharding import build_model
 from plugtrain.training.launch import configure
-from plugtrain.training.lr import build_lr_scheduler
+from plugtrain.training.optim import build_lr_scheduler, build_optimizer
 from plugtrain.training.trainer import Batch, Trainer, cross_entropy
 
 NAME = "hook_overhead"
@@ -84,20 +83,15 @@ class HandWrittenLoop:
             self.model, self.optimizer = trainer.model, trainer.optimizer
             self.lr_scheduler = trainer.lr_scheduler
         else:
-            with torch.device("meta"):
-                self.model = Transformer(trainer.model_args)
-            shard_model(self.model, trainer.world.mesh, trainer.param_dtype, trainer.reduce_dtype)
-            self.model.to_empty(device=device)
-            self.model.init_weights(seed=cfg.training.seed)
-            opt = cfg.optimizer
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=opt.lr,
-                betas=tuple(opt.betas),
-                eps=opt.eps,
-                weight_decay=opt.weight_decay,
-                fused=device.type == "cuda",
+            self.model = build_model(
+                trainer.model_args,
+                trainer.world.mesh,
+                trainer.param_dtype,
+                trainer.reduce_dtype,
+                device,
+                cfg.training.seed,
             )
+            self.optimizer = build_optimizer(self.model, cfg.optimizer, device)
             self.lr_scheduler = build_lr_scheduler(
                 self.optimizer, cfg.lr_scheduler, cfg.training.steps
             )

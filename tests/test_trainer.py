@@ -10,7 +10,7 @@ from runs import tiny_args
 
 from plugtrain.config import LRScheduler
 from plugtrain.training.launch import configure
-from plugtrain.training.lr import lr_factor
+from plugtrain.training.optim import lr_factor
 from plugtrain.training.trainer import Trainer
 
 

@@ -17,7 +17,7 @@ from plugtrain.data.pipeline import StatefulBatchLoader, build_dataset
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.model.transformer import FLAVORS, Transformer
 from plugtrain.training.launch import configure
-from plugtrain.training.lr import build_lr_scheduler
+from plugtrain.training.optim import build_lr_scheduler
 from plugtrain.training.trainer import cross_entropy
 
 STEPS = 4

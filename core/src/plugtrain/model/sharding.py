@@ -1,4 +1,4 @@
-"""FSDP2 sharding of the model, with the run's mixed-precision policy."""
+"""The model as a run trains it: built on the meta device, sharded with FSDP2, then initialised."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from plugtrain.model.transformer import ModelArgs, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The config's dtype names (``training.mixed_precision_*``) as torch dtypes."""
@@ -22,3 +24,24 @@ def shard_model(
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return policy
+
+
+def build_model(
+    args: ModelArgs,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+) -> Transformer:
+    """Build on the meta device, shard, then materialise and initialise.
+
+    No rank ever holds the full model, and ``init_weights`` gives the same weights whatever
+    the world size.
+    """
+    with torch.device("meta"):
+        model = Transformer(args)
+    shard_model(model, mesh, param_dtype, reduce_dtype)
+    model.to_empty(device=device)
+    model.init_weights(seed=seed)
+    return model

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from plugtrain.checkpoint.manager import CheckpointManager
 from plugtrain.config import JobConfig
@@ -26,14 +25,14 @@ from plugtrain.data.pipeline import (
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.distributed import World, all_reduce_mean, init_world
 from plugtrain.host.plugin_host import PluginHost
-from plugtrain.model.sharding import DTYPES, shard_model
-from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.model.sharding import DTYPES, build_model
+from plugtrain.model.transformer import FLAVORS
 from plugtrain.observability.logs import setup_logging
 from plugtrain.observability.metrics import MetricsLogger, to_number, write_run_records
 from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflops, throughput
 from plugtrain.observability.trace import HookTracer, tracing_requested
 from plugtrain.plugin import SetupContext, StepContext
-from plugtrain.training.lr import build_lr_scheduler
+from plugtrain.training.optim import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("plugtrain")
 
@@ -89,18 +88,17 @@ class Trainer:
             vocab_size=self.tokenizer.vocab_size,
             max_seq_len=max(FLAVORS[config.model.flavor].max_seq_len, train_cfg.seq_len),
         )
-        self.model = self._build_model()
+        self.model = build_model(
+            self.model_args,
+            self.world.mesh,
+            self.param_dtype,
+            self.reduce_dtype,
+            self.device,
+            train_cfg.seed,
+        )
         self.params = tuple(self.model.parameters())
         """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
-        opt = config.optimizer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=opt.lr,
-            betas=tuple(opt.betas),
-            eps=opt.eps,
-            weight_decay=opt.weight_decay,
-            fused=self.device.type == "cuda",
-        )
+        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, train_cfg.steps)
         self.step = 0
         """Optimizer steps completed (vetoed ones included)."""
@@ -123,16 +121,6 @@ class Trainer:
         self.metrics.start(self.step)
         if self.world.is_main:
             write_run_records(config, plugins.versions, self.world.world_size, self.device)
-
-    def _build_model(self) -> nn.Module:
-        # NOTE: build on the meta device, shard, then materialise: no rank ever holds the full
-        # model, and init_weights gives the same weights whatever the world size.
-        with torch.device("meta"):
-            model = Transformer(self.model_args)
-        shard_model(model, self.world.mesh, self.param_dtype, self.reduce_dtype)
-        model.to_empty(device=self.device)
-        model.init_weights(seed=self.config.training.seed)
-        return model
 
     def _setup_plugins(self) -> None:
         ctx = SetupContext(

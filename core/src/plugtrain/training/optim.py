@@ -1,13 +1,30 @@
-"""Learning-rate schedule: linear warmup, then cosine or linear decay (or none)."""
+"""The optimizer and its schedule: AdamW, linear warmup, then cosine or linear decay."""
 
 from __future__ import annotations
 
 import math
 
+import torch
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from plugtrain.config import LRScheduler
+from plugtrain.config import Optimizer as OptimizerConfig
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, device: torch.device
+) -> torch.optim.AdamW:
+    """AdamW over every parameter of ``model``, fused on CUDA."""
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=device.type == "cuda",
+    )
 
 
 def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
