@@ -17,13 +17,9 @@ import torch.distributed.checkpoint as dcp
 from conftest import read_metrics
 from runs import REPO, run_train_py, tiny_args
 
-from plugtrain.checkpoint.manager import (
-    FAULT_ENV,
-    complete_checkpoints,
-    flat_keys,
-    read_checkpoint,
-    to_tensors,
-)
+from plugtrain.checkpoint.dcp_io import flat_keys, read_checkpoint, to_tensors
+from plugtrain.checkpoint.faults import FAULT_ENV
+from plugtrain.checkpoint.manager import complete_checkpoints
 from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.observability.metrics import truncate_metrics
 from plugtrain.training.launch import configure, run_cli

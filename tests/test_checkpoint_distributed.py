@@ -21,7 +21,7 @@ from test_checkpoint import (  # noqa: F401 (one_thread: a fixture)
     steps_losses,
 )
 
-from plugtrain.checkpoint.manager import FAULT_ENV
+from plugtrain.checkpoint.faults import FAULT_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 

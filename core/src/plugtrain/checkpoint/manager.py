@@ -13,7 +13,8 @@ either the complete checkpoint or none, and never touches the previous one.
 
 What a checkpoint holds (the keys of the DCP state dict): ``model`` and ``optimizer`` (from
 ``get_state_dict``, sharded DTensors), ``lr_scheduler``, ``data`` (the loader's position),
-``train`` (step, tokens seen, skipped steps, world size), ``rng.rank<R>`` (each rank's torch,
+``train`` (the trainer's counters: step, tokens seen, skipped steps), ``world`` (the number of
+ranks that saved it), ``rng.rank<R>`` (each rank's torch,
 CUDA, Python and NumPy generator states) and ``plugins.<name>`` (each stateful plugin's
 ``state_dict`` hook). Numbers are stored as 0-d tensors, so a checkpoint holds tensors only:
 loading never unpickles an object (tensors go through ``torch.load(weights_only=True)``, DCP's
@@ -28,44 +29,45 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-import random
 import re
 import shutil
 import signal
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim import Optimizer
 
+from plugtrain.checkpoint.dcp_io import (
+    SafeFileSystemReader,
+    TensorOnlyLoadPlanner,
+    flat_keys,
+    from_tensors,
+    read_metadata,
+    to_tensors,
+)
+from plugtrain.checkpoint.faults import Fault
+from plugtrain.checkpoint.rng import rng_state, set_rng_state
+from plugtrain.config import Checkpoint
+from plugtrain.distributed import World
 from plugtrain.errors import CheckpointError, one_line
-
-if TYPE_CHECKING:
-    from plugtrain.training.trainer import Trainer
+from plugtrain.host.plugin_host import PluginHost
 
 logger = logging.getLogger("plugtrain")
 
 CHECKPOINTS = "checkpoints"
 """The folder of ``job.dump_folder`` that holds a run's checkpoints."""
-FAULT_ENV = "PLUGTRAIN_CHECKPOINT_FAULT"
-"""Test-only crash injection: comma-separated ``<point>:<step>:<rank>[:<marker file>]``. That
-rank kills itself with SIGKILL at ``point`` (``after_step``, or ``before_commit``: its shard is
-written, the checkpoint not yet made visible) of that step; with a marker file, only if the file
-does not exist yet (it is created first), so that a restarted run does not crash again."""
-
 _STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL, _DELETING = ".partial", ".deleting"
 
@@ -103,257 +105,40 @@ def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-# --------------------------------------------------------------------------- safe reading
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` and refuses every class but DCP's own metadata types.
-
-    NOTE: DCP writes ``.metadata`` with ``pickle`` and its FileSystemReader reads it with a plain
-    ``pickle.load``, which would run any code a crafted file names.
-    """
-
-    _ALLOWED = {
-        "torch.distributed.checkpoint.metadata": {
-            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-            "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-            "_MEM_FORMAT_ENCODING",
-        },
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "torch": {"Size"},
-        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-        "collections": {"OrderedDict"},
-    }  # fmt: skip
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in self._ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load '{module}.{name}' from .metadata")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """A DCP ``FileSystemReader`` whose ``.metadata`` unpickling admits DCP's types only."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        with path.open("rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}")
-        if metadata.storage_meta is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _TensorOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner, minus ``load_bytes``: that one runs ``torch.load(weights_only=False)``
-    on non-tensor entries. Our checkpoints have none, so meeting one means a foreign file."""
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        raise CheckpointError(
-            f"checkpoint entry '{read_item.dest_index.fqn}' is a pickled object, which plugtrain "
-            "never loads: use a checkpoint written by plugtrain"
-        )
-
-
-def read_metadata(path: Path) -> Metadata:
-    """The DCP metadata of checkpoint folder ``path``, or a one-line :class:`CheckpointError`."""
-    try:
-        return SafeFileSystemReader(path).read_metadata()
-    except FileNotFoundError as e:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: it has no .metadata; delete it to resume from the "
-            "one before, or pick one with --checkpoint.load_step"
-        ) from e
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: cannot read its .metadata ({one_line(e)}); delete "
-            "it to resume from the one before, or pick one with --checkpoint.load_step"
-        ) from e
-
-
-def read_checkpoint(path: str | os.PathLike[str], prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of checkpoint folder ``path`` whose key starts with ``prefix``, as full
-    tensors by flattened key (``model.layers.0.attention.wq.weight``), read in this process
-    alone: to inspect or export a checkpoint, or to compare two."""
-    path = Path(path)
-    metadata = read_metadata(path)
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    with warnings.catch_warnings():
-        # NOTE: DCP warns that it assumes one process when torch.distributed is not set up,
-        # which is exactly what no_dist asks for.
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(path),
-            planner=_TensorOnlyLoadPlanner(),
-            no_dist=True,
-        )
-    return state
-
-
-# --------------------------------------------------------------------------- numbers as tensors
-
-
-def to_tensors(tree: Any, key: str = "") -> Any:
-    """``tree`` (nested dicts, lists, tensors and numbers) as nested dicts of tensors only.
-
-    Numbers become 0-d tensors (int64, float64: exact for any Python int or float that fits,
-    bool), lists and tuples dicts keyed by index, and ``None`` is left out; anything else is an
-    error naming ``key``. :func:`from_tensors` turns the result back, given the original.
-    """
-    if isinstance(tree, torch.Tensor):
-        return tree
-    if isinstance(tree, bool):
-        return torch.tensor(tree)
-    if isinstance(tree, int):
-        return torch.tensor(tree, dtype=torch.int64)
-    if isinstance(tree, float):
-        return torch.tensor(tree, dtype=torch.float64)
-    if isinstance(tree, Mapping):
-        items: Iterator[tuple[Any, Any]] = iter(tree.items())
-    elif isinstance(tree, list | tuple):
-        items = enumerate(tree)
-    else:
-        raise CheckpointError(
-            f"cannot checkpoint '{key}': it is a {type(tree).__name__}, and checkpoints hold "
-            "only tensors and numbers (in dicts and lists)"
-        )
-    return {
-        str(k): to_tensors(v, f"{key}.{k}" if key else str(k)) for k, v in items if v is not None
-    }
-
-
-def from_tensors(template: Any, loaded: Any) -> Any:
-    """Undo :func:`to_tensors`: ``template`` with each value replaced by its loaded tensor,
-    converted back to the template's type. Values ``to_tensors`` left out (``None``) or that
-    were not stored keep the template's."""
-    if isinstance(template, torch.Tensor):
-        return loaded
-    if isinstance(template, bool | int | float):
-        return type(template)(loaded.item())
-    if isinstance(template, Mapping):
-        return {
-            k: from_tensors(v, loaded[str(k)]) if str(k) in loaded else v
-            for k, v in template.items()
-        }
-    if isinstance(template, list | tuple):
-        return type(template)(
-            from_tensors(v, loaded[str(i)]) if str(i) in loaded else v
-            for i, v in enumerate(template)
-        )
-    return template
-
-
-def flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    """The tensors of nested dicts ``tree`` by DCP's flattened key (``a.b.c``)."""
-    out: dict[str, torch.Tensor] = {}
-    for k, v in tree.items():
-        if isinstance(v, Mapping):
-            out.update(flat_keys(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-# --------------------------------------------------------------------------- RNG states
-
-
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's random generators (torch CPU and CUDA, Python, NumPy) as tensors."""
-    version, words, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": {
-            "version": version,
-            "words": torch.tensor(words, dtype=torch.int64),
-            "has_gauss": gauss is not None,
-            "gauss": gauss or 0.0,
-        },
-        "numpy": {
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(cached_gaussian),
-        },
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
-    """Restore what :func:`rng_state` returned (after :func:`from_tensors`)."""
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate(
-        (py["version"], tuple(py["words"].tolist()), py["gauss"] if py["has_gauss"] else None)
-    )
-    npy = state["numpy"]
-    np.random.set_state(
-        ("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-         npy["gauss"])
-    )  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-# --------------------------------------------------------------------------- fault injection
-
-
-@dataclass(frozen=True)
-class _Fault:
-    """One crash that :data:`FAULT_ENV` asks this rank to simulate (tests only)."""
-
-    point: str
-    step: int
-    marker: Path | None
-
-    @staticmethod
-    def from_env(rank: int) -> list[_Fault]:
-        faults = []
-        for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-            point, step, fault_rank, *marker = spec.split(":", 3)
-            if point not in ("after_step", "before_commit"):
-                raise ValueError(f"{FAULT_ENV}: unknown point {point!r}")
-            if int(fault_rank) == rank:
-                faults.append(_Fault(point, int(step), Path(marker[0]) if marker else None))
-        return faults
-
-    def fire(self, point: str, step: int) -> None:
-        if (point, step) != (self.point, self.step):
-            return
-        if self.marker is not None:
-            if self.marker.exists():
-                return
-            self.marker.touch()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 # --------------------------------------------------------------------------- the manager
 
 
 class CheckpointManager:
     """Restores a run at start-up and saves it on schedule, on SIGTERM and at the end.
 
+    It is given the pieces it saves, never the trainer: the model and optimizer (saved through
+    DCP's ``get_state_dict``, sharded), ``states`` (objects with ``state_dict`` and
+    ``load_state_dict``, saved under their key: the LR schedule, the data loader, the trainer's
+    counters) and the plugin host (each plugin's ``state_dict`` hook).
+
     The trainer calls :meth:`load` once, after plugin setup; :meth:`after_step` after every
     optimizer step (it saves when due and says whether to stop); :meth:`close` at the end. With
     ``checkpoint.enable`` off, each is a no-op. Every method is collective: all ranks call it.
     """
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.config = trainer.config.checkpoint
-        self.folder = checkpoint_folder(trainer.config.job.dump_folder)
-        self.world = trainer.world
+    def __init__(
+        self,
+        config: Checkpoint,
+        dump_folder: str | os.PathLike[str],
+        world: World,
+        total_steps: int,
+        model: nn.Module,
+        optimizer: Optimizer,
+        states: Mapping[str, Stateful],
+        host: PluginHost,
+    ) -> None:
+        self.config = config
+        self.folder = checkpoint_folder(dump_folder)
+        self.world = world
+        self.total_steps = total_steps
+        self.model, self.optimizer = model, optimizer
+        self.states = dict(states)
+        self.host = host
         self._stop_requested = False
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -361,7 +146,7 @@ class CheckpointManager:
         self._async_group: dist.ProcessGroup | None = None
         self._previous_sigterm: Callable | int | None = None
         self._sigterm_installed = False
-        self._faults = _Fault.from_env(self.world.rank)
+        self._faults = Fault.from_env(self.world.rank)
         if not self.config.enable:
             return
         if self.world.world_size > 1:
@@ -380,26 +165,24 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------------- saving
 
-    def after_step(self) -> bool:
-        """Save if the step just taken is due (every ``checkpoint.interval`` steps, the last
+    def after_step(self, step: int) -> bool:
+        """Save if ``step``, just taken, is due (every ``checkpoint.interval`` steps, the last
         step, or any rank got SIGTERM); return True when the run must stop (SIGTERM)."""
         if not self.config.enable:
             return False
-        step = self.trainer.step
         for fault in self._faults:
             fault.fire("after_step", step)
         stop = self._vote(self._stop_requested)
-        last = step == self.trainer.config.training.steps
+        last = step == self.total_steps
         if stop or last or step % self.config.interval == 0:
-            self.save()
+            self.save(step)
         if stop and not last:
             logger.info("stopped after step %d on SIGTERM; run the same command to resume", step)
         return stop
 
-    def save(self) -> None:
-        """Write a checkpoint of the trainer's current step."""
+    def save(self, step: int) -> None:
+        """Write a checkpoint of the run as it is after ``step``."""
         self.wait()
-        step = self.trainer.step
         final = self.folder / f"step-{step}"
         partial = final.with_name(final.name + _PARTIAL)
         start = time.perf_counter()
@@ -409,9 +192,7 @@ class CheckpointManager:
             partial.mkdir(parents=True)
         self._barrier(self._control_group)
         state = self._storable(
-            self._state(
-                with_rng=True, plugins=None, optimizer_state=bool(self.trainer.optimizer.state)
-            )
+            self._state(with_rng=True, plugins=None, optimizer_state=bool(self.optimizer.state))
         )
         writer = FileSystemWriter(partial)
         if self._executor is None:
@@ -519,32 +300,25 @@ class CheckpointManager:
     def _state(
         self, with_rng: bool, plugins: set[str] | None, optimizer_state: bool
     ) -> dict[str, Any]:
-        """The trainer's state as nested dicts of tensors and numbers (live tensors: DCP loads
+        """The run's state as nested dicts of tensors and numbers (live tensors: DCP loads
         into them). ``with_rng`` adds this rank's generators; ``plugins`` restricts the
         plugins' states to those names (None: every plugin that has state);
         ``optimizer_state`` False leaves the optimizer's per-parameter state out, for an
         optimizer that has not stepped yet (every step so far vetoed)."""
-        t = self.trainer
-        model, optimizer = get_state_dict(t.model, t.optimizer)
+        model, optimizer = get_state_dict(self.model, self.optimizer)
         if not optimizer_state:
             # NOTE: get_state_dict gives an optimizer that has not stepped a state by taking a
             # zero-lr step; the run must go on as if it had not (AdamW counts its steps).
-            t.optimizer.state.clear()
+            self.optimizer.state.clear()
             optimizer = {**optimizer, "state": {}}
-        plugin_states = t.plugins.call_each("state_dict")
+        plugin_states = self.host.call_each("state_dict")
         if plugins is not None:
             plugin_states = {k: v for k, v in plugin_states.items() if k in plugins}
         state = {
             "model": model,
             "optimizer": optimizer,
-            "lr_scheduler": t.lr_scheduler.state_dict(),
-            "data": t.loader.state_dict(),
-            "train": {
-                "step": t.step,
-                "tokens_seen": t.tokens_seen,
-                "skipped_steps": t.skipped_steps,
-                "world_size": self.world.world_size,
-            },
+            **{key: stateful.state_dict() for key, stateful in self.states.items()},
+            "world": {"size": self.world.world_size},
             "plugins": plugin_states,
         }
         if with_rng:
@@ -601,15 +375,12 @@ class CheckpointManager:
         metadata = read_metadata(path)
         saved = metadata.state_dict_metadata
         in_checkpoint = {key.split(".")[1] for key in saved if key.startswith("plugins.")}
-        loaders = {
-            impl.plugin_name: impl
-            for impl in self.trainer.plugins.hook.load_state_dict.get_hookimpls()
-        }
+        loaders = set(self.host.implementers("load_state_dict"))
         rank_rng = f"rng.rank{self.world.rank}."
         has_rng = any(key.startswith(rank_rng) for key in saved)
         template = self._state(
             with_rng=has_rng,
-            plugins=in_checkpoint & set(loaders),
+            plugins=in_checkpoint & loaders,
             optimizer_state=any(key.startswith("optimizer.state.") for key in saved),
         )
         storable = self._storable(template)
@@ -618,7 +389,7 @@ class CheckpointManager:
             dcp.load(
                 storable,
                 storage_reader=SafeFileSystemReader(path),
-                planner=_TensorOnlyLoadPlanner(),
+                planner=TensorOnlyLoadPlanner(),
             )
         except (Exception, dcp.CheckpointException) as e:
             raise CheckpointError(
@@ -628,19 +399,18 @@ class CheckpointManager:
         state = from_tensors(template, storable)
         self._apply(state)
         for name, plugin_state in state["plugins"].items():
-            impl = loaders[name]  # NOTE: an implementation may take no argument at all
-            impl.function(**{arg: plugin_state for arg in impl.argnames})
-        train = state["train"]
+            self.host.call_one(name, "load_state_dict", state_dict=plugin_state)
+        train, saved_world = state["train"], state["world"]["size"]
         if self.world.is_main:
-            ignored = sorted(in_checkpoint - set(loaders))
+            ignored = sorted(in_checkpoint - loaders)
             if ignored:
                 logger.info("checkpoint state of plugins not active in this run, ignored: %s",
                             ", ".join(ignored))  # fmt: skip
-            if train["world_size"] != self.world.world_size:
+            if saved_world != self.world.world_size:
                 logger.warning(
                     "resharding checkpoint of %d ranks onto %d: model, optimizer and data "
                     "continue; random generators of ranks it did not have start afresh",
-                    train["world_size"],
+                    saved_world,
                     self.world.world_size,
                 )
         logger.info(
@@ -703,23 +473,16 @@ class CheckpointManager:
                 )
 
     def _apply(self, state: Mapping[str, Any]) -> None:
-        """Put a loaded state into the trainer, its optimizer, schedule, loader and RNGs."""
-        t = self.trainer
+        """Put a loaded state into the model, optimizer, the other stateful pieces and RNGs."""
         set_state_dict(
-            t.model,
-            t.optimizer,
+            self.model,
+            self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
         if not state["optimizer"]["state"]:  # saved before the optimizer's first step
-            t.optimizer.state.clear()
-        t.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        t.loader.load_state_dict(state["data"])
-        train = state["train"]
-        t.step, t.tokens_seen, t.skipped_steps = (
-            train["step"],
-            train["tokens_seen"],
-            train["skipped_steps"],
-        )
+            self.optimizer.state.clear()
+        for key, stateful in self.states.items():
+            stateful.load_state_dict(state[key])
         if "rng" in state:
             set_rng_state(state["rng"][f"rank{self.world.rank}"], self.world.device)

@@ -151,6 +151,20 @@ class PluginHost:
         """Remove a plugin: none of its hooks fire afterwards."""
         self.pm.unregister(plugin)
 
+    def implementers(self, hook_name: str) -> list[str]:
+        """Names of the registered plugins that implement hook ``hook_name``, in call order."""
+        return [impl.plugin_name for impl in reversed(self._impls(hook_name))]
+
+    def call_one(self, name: str, hook_name: str, **kwargs: Any) -> Any:
+        """Call plugin ``name``'s implementation of hook ``hook_name`` alone; return its result.
+
+        An implementation takes any subset of the hook's arguments: only those are passed.
+        """
+        for impl in self._impls(hook_name):
+            if impl.plugin_name == name:
+                return impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+        raise KeyError(f"plugin '{name}' does not implement '{hook_name}'")
+
     def call_each(self, hook_name: str, **kwargs: Any) -> dict[str, Any]:
         """Call hook ``hook_name`` on each plugin separately and return results by plugin name.
 
@@ -159,8 +173,11 @@ class PluginHost:
         results are left out.
         """
         results: dict[str, Any] = {}
-        for impl in reversed(getattr(self.hook, hook_name).get_hookimpls()):
-            result = impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+        for name in self.implementers(hook_name):
+            result = self.call_one(name, hook_name, **kwargs)
             if result is not None:
-                results[impl.plugin_name] = result
+                results[name] = result
         return results
+
+    def _impls(self, hook_name: str) -> list[pluggy.HookImpl]:
+        return getattr(self.hook, hook_name).get_hookimpls()

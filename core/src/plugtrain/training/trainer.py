@@ -115,7 +115,16 @@ class Trainer:
         if tracing_requested(config.metrics.trace_hooks):
             self.tracer = HookTracer.install(plugins, config.job.dump_folder, self.world.rank)
         self._setup_plugins()
-        self.checkpointer = CheckpointManager(self)
+        self.checkpointer = CheckpointManager(
+            config.checkpoint,
+            config.job.dump_folder,
+            self.world,
+            train_cfg.steps,
+            self.model,
+            self.optimizer,
+            states={"lr_scheduler": self.lr_scheduler, "data": self.loader, "train": self},
+            host=plugins,
+        )
         self.checkpointer.load()
         # NOTE: after the load, so that a refused resume leaves the run's records untouched.
         self.metrics.start(self.step)
@@ -145,6 +154,20 @@ class Trainer:
                 "loss: small gradients may underflow to zero; enable the 'grad_scaler' plugin",
                 stacklevel=2,
             )
+
+    def state_dict(self) -> dict[str, int]:
+        """The trainer's own counters, for checkpoints."""
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.step = state_dict["step"]
+        self.tokens_seen = state_dict["tokens_seen"]
+        self.skipped_steps = state_dict["skipped_steps"]
 
     def train_step(self, batch: Batch) -> tuple[torch.Tensor, StepContext]:
         """One optimizer step over ``batch``'s microbatches; returns the mean loss and context."""
@@ -202,7 +225,7 @@ class Trainer:
                 self._log_step(loss, ctx, lr)
             if self.val_data is not None and self._due(cfg.validation.interval):
                 self.metrics.log({"step": self.step, "validation_loss": self.validate()})
-            if self.checkpointer.after_step():
+            if self.checkpointer.after_step(self.step):
                 break  # SIGTERM: saved, stop here
 
     def _due(self, every: int) -> bool:

@@ -1,0 +1,178 @@
+"""Reading DCP checkpoints safely, and the tensor trees that checkpoints are made of.
+
+DCP writes ``.metadata`` with ``pickle``, and its ``FileSystemReader`` would unpickle anything a
+crafted file names; :class:`SafeFileSystemReader` admits DCP's own metadata classes only, and
+:class:`TensorOnlyLoadPlanner` refuses non-tensor entries. Checkpoints hold tensors only:
+:func:`to_tensors` turns numbers into 0-d tensors and :func:`from_tensors` turns them back.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from plugtrain.errors import CheckpointError, one_line
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` and refuses every class but DCP's own metadata types.
+
+    NOTE: DCP writes ``.metadata`` with ``pickle`` and its FileSystemReader reads it with a plain
+    ``pickle.load``, which would run any code a crafted file names.
+    """
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+            "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        },
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.serialization": {"_get_layout"},
+        "torch": {"Size"},
+        "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+        "collections": {"OrderedDict"},
+    }  # fmt: skip
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self._ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load '{module}.{name}' from .metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A DCP ``FileSystemReader`` whose ``.metadata`` unpickling admits DCP's types only."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        with path.open("rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}")
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class TensorOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, minus ``load_bytes``: that one runs ``torch.load(weights_only=False)``
+    on non-tensor entries. Our checkpoints have none, so meeting one means a foreign file."""
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise CheckpointError(
+            f"checkpoint entry '{read_item.dest_index.fqn}' is a pickled object, which plugtrain "
+            "never loads: use a checkpoint written by plugtrain"
+        )
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The DCP metadata of checkpoint folder ``path``, or a one-line :class:`CheckpointError`."""
+    try:
+        return SafeFileSystemReader(path).read_metadata()
+    except FileNotFoundError as e:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: it has no .metadata; delete it to resume from the "
+            "one before, or pick one with --checkpoint.load_step"
+        ) from e
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: cannot read its .metadata ({one_line(e)}); delete "
+            "it to resume from the one before, or pick one with --checkpoint.load_step"
+        ) from e
+
+
+def read_checkpoint(path: str | os.PathLike[str], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of checkpoint folder ``path`` whose key starts with ``prefix``, as full
+    tensors by flattened key (``model.layers.0.attention.wq.weight``), read in this process
+    alone: to inspect or export a checkpoint, or to compare two."""
+    path = Path(path)
+    metadata = read_metadata(path)
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():
+        # NOTE: DCP warns that it assumes one process when torch.distributed is not set up,
+        # which is exactly what no_dist asks for.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(path),
+            planner=TensorOnlyLoadPlanner(),
+            no_dist=True,
+        )
+    return state
+
+
+def to_tensors(tree: Any, key: str = "") -> Any:
+    """``tree`` (nested dicts, lists, tensors and numbers) as nested dicts of tensors only.
+
+    Numbers become 0-d tensors (int64, float64: exact for any Python int or float that fits,
+    bool), lists and tuples dicts keyed by index, and ``None`` is left out; anything else is an
+    error naming ``key``. :func:`from_tensors` turns the result back, given the original.
+    """
+    if isinstance(tree, torch.Tensor):
+        return tree
+    if isinstance(tree, bool):
+        return torch.tensor(tree)
+    if isinstance(tree, int):
+        return torch.tensor(tree, dtype=torch.int64)
+    if isinstance(tree, float):
+        return torch.tensor(tree, dtype=torch.float64)
+    if isinstance(tree, Mapping):
+        items: Iterator[tuple[Any, Any]] = iter(tree.items())
+    elif isinstance(tree, list | tuple):
+        items = enumerate(tree)
+    else:
+        raise CheckpointError(
+            f"cannot checkpoint '{key}': it is a {type(tree).__name__}, and checkpoints hold "
+            "only tensors and numbers (in dicts and lists)"
+        )
+    return {
+        str(k): to_tensors(v, f"{key}.{k}" if key else str(k)) for k, v in items if v is not None
+    }
+
+
+def from_tensors(template: Any, loaded: Any) -> Any:
+    """Undo :func:`to_tensors`: ``template`` with each value replaced by its loaded tensor,
+    converted back to the template's type. Values ``to_tensors`` left out (``None``) or that
+    were not stored keep the template's."""
+    if isinstance(template, torch.Tensor):
+        return loaded
+    if isinstance(template, bool | int | float):
+        return type(template)(loaded.item())
+    if isinstance(template, Mapping):
+        return {
+            k: from_tensors(v, loaded[str(k)]) if str(k) in loaded else v
+            for k, v in template.items()
+        }
+    if isinstance(template, list | tuple):
+        return type(template)(
+            from_tensors(v, loaded[str(i)]) if str(i) in loaded else v
+            for i, v in enumerate(template)
+        )
+    return template
+
+
+def flat_keys(tree: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of nested dicts ``tree`` by DCP's flattened key (``a.b.c``)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
