@@ -8,11 +8,14 @@ import sys
 import textwrap
 
 import pytest
+from conftest import read_metrics
+from runs import tiny_args
 
-from plugtrain.errors import PluginError
+from plugtrain.errors import ConfigError, PluginError
 from plugtrain.host.plugin_host import ENTRY_POINT_GROUP, PluginHost, installed_plugins
 from plugtrain.plugin import SetupContext, hookimpl
 from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
 
 
 def fake_entry_points(monkeypatch, **targets: str) -> None:
@@ -87,16 +90,39 @@ def test_enabled_twice_is_refused():
         PluginHost().load_enabled(["hook_recorder", "hook_recorder"])
 
 
+class LossScaler:
+    @hookimpl
+    def setup(self, ctx):
+        ctx.register_loss_scaler(self)
+
+
 def test_two_loss_scalers_are_refused():
-    ctx = SetupContext(*[None] * 10)
-    ctx.register_loss_scaler("a")
-    with pytest.raises(PluginError, match="plugins 'a' and 'b' both scale the loss"):
-        ctx.register_loss_scaler("b")
+    host = PluginHost()
+    host.register(LossScaler(), "a")
+    host.register(LossScaler(), "b")
+    ctx = SetupContext(*[None] * 10, name_of=host.name_of)
+    with pytest.raises(PluginError, match=r"plugins '[ab]' and '[ab]' both scale the loss"):
+        host.setup(ctx)
+
+
+def test_plugin_under_another_entry_point_name_finds_its_config(monkeypatch, tmp_path):
+    fake_entry_points(monkeypatch, clip="plugtrain_grad_clip:GradClip")
+    config, host = configure(
+        [*tiny_args(tmp_path, steps=1), "--plugins.enabled", "clip", "--clip.max_norm", "0.25"]
+    )
+    with pytest.raises(ConfigError, match=r"config key 'clip\.max_norm' must be finite and > 0"):
+        configure([*tiny_args(tmp_path), "--plugins.enabled", "clip", "--clip.max_norm", "0"])
+    trainer = Trainer(config, host)
+    try:
+        trainer.train()
+        plugin = host.get("clip")
+        assert plugin.name == "clip" and plugin.config.max_norm == 0.25
+        assert set(read_metrics(tmp_path)[0]) >= {"clip/grad_norm", "clip/clipped"}
+    finally:
+        trainer.close()
 
 
 def test_plugin_config_key_that_does_not_exist():
-    from plugtrain.errors import ConfigError
-
     with pytest.raises(ConfigError, match=r"unknown config key 'hook_recorder\.vetosteps'"):
         configure(["--plugins.enabled", "hook_recorder", "--hook_recorder.vetosteps", "[1]"])
 

@@ -56,7 +56,7 @@ def setup(ctx: SetupContext) -> None:
     """Fires once per run, after the model is sharded and the optimizer, LR scheduler and
     mixed-precision policy exist, before any checkpoint is loaded and before the first step.
 
-    Read the resolved dtypes (``ctx.param_dtype``) and your config (``ctx.plugin_config(name)``)
+    Read the resolved dtypes (``ctx.param_dtype``) and your config (``ctx.plugin_config(self)``)
     here and allocate what you need. A plugin with nothing to do in this run calls
     ``ctx.deactivate(self, reason)``: it is then unregistered and costs nothing.
     """

@@ -7,7 +7,7 @@ hooks themselves, with when each fires and what it may change, are declared and 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,34 +64,41 @@ class SetupContext:
     """The data-parallel device mesh over all ranks."""
     rank: int
     world_size: int
-    loss_scalers: list[str] = field(default_factory=list)
-    """Plugins that declared, with :meth:`register_loss_scaler`, that they scale the loss."""
-    _deactivated: dict[object, str] = field(default_factory=dict, repr=False)
+    name_of: Callable[[object], str] = field(repr=False)
+    """The name a registered plugin object runs under: its entry point's name, which is also
+    its config section and its metrics' prefix."""
+    loss_scaler: str | None = None
+    """The plugin that declared, with :meth:`register_loss_scaler`, that it scales the loss."""
+    deactivations: dict[object, str] = field(default_factory=dict, repr=False)
+    """Plugins that called :meth:`deactivate`, with their reasons (the host reads it)."""
 
-    def plugin_config(self, name: str) -> Any:
-        """Return the validated config section of plugin ``name`` (its config dataclass)."""
-        return self.config.plugin(name)
+    def plugin_config(self, plugin: object) -> Any:
+        """Return ``plugin``'s validated config section (its config dataclass)."""
+        return self.config.plugin(self.name_of(plugin))
 
     def deactivate(self, plugin: object, reason: str) -> None:
         """Unregister ``plugin`` once ``setup`` returns, so that none of its hooks fire again.
 
         A plugin with nothing to do in this run (the loss scaler under bf16) calls this to
-        cost exactly nothing: it is not called on the hot path, and it saves no state.
+        cost exactly nothing: it is not called on the hot path, and it saves no state. The
+        reason appears in the start-up "plugins:" line and in ``run.json``.
         """
-        self._deactivated[plugin] = reason
+        self.deactivations[plugin] = reason
 
-    def register_loss_scaler(self, name: str) -> None:
-        """Declare that plugin ``name`` scales the loss in ``pre_backward`` this run.
+    def register_loss_scaler(self, plugin: object) -> None:
+        """Declare that ``plugin`` scales the loss in ``pre_backward`` this run.
 
         The trainer warns when float16 compute runs with no loss scaler, and refuses two: each
-        would scale the loss and unscale the gradients on top of the other.
+        would scale the loss and unscale the gradients on top of the other. Step hooks see the
+        result as :attr:`StepContext.loss_scaler`.
         """
-        if self.loss_scalers:
+        name = self.name_of(plugin)
+        if self.loss_scaler is not None:
             raise PluginError(
-                f"plugins '{self.loss_scalers[0]}' and '{name}' both scale the loss: "
+                f"plugins '{self.loss_scaler}' and '{name}' both scale the loss: "
                 "enable only one of them"
             )
-        self.loss_scalers.append(name)
+        self.loss_scaler = name
 
 
 @dataclass(eq=False, slots=True)
@@ -111,6 +118,9 @@ class StepContext:
     """The model's parameters, in ``model.parameters()`` order (FSDP2 DTensors, sharded over
     the mesh). NOTE: a tuple the trainer builds once: walking the module tree costs 50 us
     (debug model) to 400 us (8B) per ``model.parameters()`` call."""
+    loss_scaler: str | None = None
+    """The plugin that scales the loss this run (see :meth:`SetupContext.register_loss_scaler`),
+    or None: a plugin that handles non-finite gradients leaves them to it."""
     microbatch: int = 0
     """Index of the current microbatch, ``0 .. num_microbatches - 1``."""
     loss: torch.Tensor | None = None

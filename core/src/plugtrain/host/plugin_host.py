@@ -10,9 +10,9 @@ usually a class, whose result is registered (so a plugin can keep per-run state 
 from __future__ import annotations
 
 import importlib.metadata as md
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -20,7 +20,21 @@ from plugtrain import hookspecs
 from plugtrain.errors import PluginError, did_you_mean, one_line
 from plugtrain.plugin import PROJECT_NAME
 
+if TYPE_CHECKING:
+    from plugtrain.plugin import SetupContext
+
 ENTRY_POINT_GROUP = "plugtrain.plugins"
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One plugin's implementation of one hook, as the hook tracer sees it."""
+
+    hook: str
+    plugin: str
+    argnames: tuple[str, ...]
+    wrapper: bool
+    """A new-style (``wrapper=True``) or old-style (``hookwrapper=True``) wrapper."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,8 @@ class PluginHost:
         self.hook = self.pm.hook
         self.versions: dict[str, str] = {}
         """The enabled plugins' ``distribution version``, by name, for the run's records."""
+        self.inactive: dict[str, str] = {}
+        """Plugins that deactivated themselves in ``setup``, by name, with their reason."""
 
     def load_enabled(self, names: Sequence[str]) -> None:
         """Import and register the installed plugins named in ``names``, and only those."""
@@ -151,6 +167,20 @@ class PluginHost:
         """Remove a plugin: none of its hooks fire afterwards."""
         self.pm.unregister(plugin)
 
+    def name_of(self, plugin: object) -> str:
+        """The name ``plugin`` is registered under: its entry point's name."""
+        name = self.pm.get_name(plugin)
+        if name is None:
+            raise PluginError(f"{plugin!r} is not a registered plugin")
+        return name
+
+    def setup(self, ctx: SetupContext) -> None:
+        """Fire ``setup``, then unregister the plugins that deactivated themselves in it."""
+        self.hook.setup(ctx=ctx)
+        for plugin, reason in ctx.deactivations.items():
+            self.inactive[self.name_of(plugin)] = reason
+            self.unregister(plugin)
+
     def implementers(self, hook_name: str) -> list[str]:
         """Names of the registered plugins that implement hook ``hook_name``, in call order."""
         return [impl.plugin_name for impl in reversed(self._impls(hook_name))]
@@ -178,6 +208,41 @@ class PluginHost:
             if result is not None:
                 results[name] = result
         return results
+
+    def wrap_implementations(
+        self, wrap: Callable[[Implementation, Callable[..., Any]], Callable[..., Any]]
+    ) -> Callable[[], None]:
+        """Replace every registered implementation's function by ``wrap(implementation,
+        function)``; return a function that puts the originals back."""
+        originals = []
+        for hook_name in self.hook_names():
+            for impl in self._impls(hook_name):
+                described = Implementation(
+                    hook_name,
+                    impl.plugin_name,
+                    tuple(impl.argnames),
+                    bool(impl.wrapper or impl.hookwrapper),
+                )
+                originals.append((impl, impl.function))
+                impl.function = wrap(described, impl.function)
+
+        def unwrap() -> None:
+            for impl, function in originals:
+                impl.function = function
+
+        return unwrap
+
+    def monitor_calls(
+        self,
+        before: Callable[[str, dict[str, Any]], None],
+        after: Callable[[str, BaseException | None], None],
+    ) -> Callable[[], None]:
+        """Call ``before(hook, kwargs)`` and ``after(hook, error)`` around every hook call
+        fired through :attr:`hook`; return a function that stops it."""
+        return self.pm.add_hookcall_monitoring(
+            lambda hook, impls, kwargs: before(hook, kwargs),
+            lambda outcome, hook, impls, kwargs: after(hook, outcome.exception),
+        )
 
     def _impls(self, hook_name: str) -> list[pluggy.HookImpl]:
         return getattr(self.hook, hook_name).get_hookimpls()

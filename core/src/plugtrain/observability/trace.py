@@ -29,15 +29,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pluggy
-
 from plugtrain.errors import ConfigError
-from plugtrain.host.plugin_host import PluginHost
+from plugtrain.host.plugin_host import Implementation, PluginHost
 
 logger = logging.getLogger("plugtrain")
 
@@ -81,13 +79,11 @@ class HookTracer:
     monitoring, writes and logs the summary, and returns it.
     """
 
-    def __init__(self, host: PluginHost, path: Path) -> None:
-        self.host = host
+    def __init__(self, path: Path) -> None:
         self.path = path
         self._file = path.open("a")
         self._stack: list[_Call] = []
-        self._originals: list[tuple[pluggy.HookImpl, Callable[..., Any]]] = []
-        self._undo_monitoring: Callable[[], None] | None = None
+        self._undo: list[Callable[[], None]] = []
         # (plugin, hook) -> [calls, seconds]; hook -> [calls, seconds] for whole hook calls.
         self._by_plugin: dict[tuple[str, str], list[float]] = {}
         self._by_hook: dict[str, list[float]] = {}
@@ -101,23 +97,18 @@ class HookTracer:
         every enabled plugin is registered, before the ``setup`` hook).
         """
         Path(dump_folder).mkdir(parents=True, exist_ok=True)
-        tracer = cls(host, Path(dump_folder) / f"hook_trace.rank{rank}.jsonl")
-        for hook_name in host.hook_names():
-            for impl in getattr(host.hook, hook_name).get_hookimpls():
-                tracer._originals.append((impl, impl.function))
-                impl.function = tracer._timed(hook_name, impl)
-        tracer._undo_monitoring = host.pm.add_hookcall_monitoring(tracer._before, tracer._after)
+        tracer = cls(Path(dump_folder) / f"hook_trace.rank{rank}.jsonl")
+        tracer._undo = [host.wrap_implementations(tracer._timed)]
+        tracer._undo.append(host.monitor_calls(tracer._before, tracer._after))
         return tracer
 
     # ------------------------------------------------------------------ per hook call
 
-    def _before(self, hook: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping) -> None:
+    def _before(self, hook: str, kwargs: Mapping[str, Any]) -> None:
         self._stack.append(_Call(hook, *_position(kwargs)))
 
-    def _after(
-        self, outcome: pluggy.Result, hook: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping
-    ) -> None:
-        self._finish(self._stack.pop(), outcome.exception)
+    def _after(self, hook: str, error: BaseException | None) -> None:
+        self._finish(self._stack.pop(), error)
 
     def _finish(self, call: _Call, error: BaseException | None) -> None:
         seconds = time.perf_counter() - call.start
@@ -138,10 +129,9 @@ class HookTracer:
         for name, s, _ in call.plugins:
             _add(self._by_plugin, (name, call.hook), s)
 
-    def _timed(self, hook: str, impl: pluggy.HookImpl) -> Callable[..., Any]:
-        """``impl.function`` wrapped to add its running time to the current call of ``hook``."""
-        function, plugin = impl.function, impl.plugin_name
-        wrapper = bool(impl.wrapper or impl.hookwrapper)
+    def _timed(self, impl: Implementation, function: Callable[..., Any]) -> Callable[..., Any]:
+        """``function`` wrapped to add its running time to the current call of its hook."""
+        hook, plugin, wrapper = impl.hook, impl.plugin, impl.wrapper
         ctx_index = impl.argnames.index("ctx") if "ctx" in impl.argnames else None
 
         @functools.wraps(function)
@@ -209,12 +199,8 @@ class HookTracer:
 
     def close(self) -> dict[str, Any]:
         """Stop tracing: restore the functions, write and log the summary, return it."""
-        if self._undo_monitoring is not None:
-            self._undo_monitoring()
-            self._undo_monitoring = None
-        for impl, function in self._originals:
-            impl.function = function
-        self._originals.clear()
+        while self._undo:
+            self._undo.pop()()
         summary = self.summary()
         self._file.write(json.dumps({"summary": summary}) + "\n")
         self._file.close()

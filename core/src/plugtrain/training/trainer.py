@@ -143,12 +143,13 @@ class Trainer:
             mesh=self.world.mesh,
             rank=self.world.rank,
             world_size=self.world.world_size,
+            name_of=self.plugins.name_of,
         )
-        self.hook.setup(ctx=ctx)
-        for plugin, reason in ctx._deactivated.items():
-            self.plugins.unregister(plugin)
+        self.plugins.setup(ctx)
+        self.loss_scaler = ctx.loss_scaler
+        for reason in self.plugins.inactive.values():
             logger.info("plugin deactivated for this run: %s", reason)
-        if self.param_dtype == torch.float16 and not ctx.loss_scalers and self.world.is_main:
+        if self.param_dtype == torch.float16 and ctx.loss_scaler is None and self.world.is_main:
             warnings.warn(
                 "training.mixed_precision_param is float16 but no enabled plugin scales the "
                 "loss: small gradients may underflow to zero; enable the 'grad_scaler' plugin",
@@ -171,7 +172,14 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> tuple[torch.Tensor, StepContext]:
         """One optimizer step over ``batch``'s microbatches; returns the mean loss and context."""
-        ctx = StepContext(self.step + 1, len(batch), self.model, self.optimizer, self.params)
+        ctx = StepContext(
+            self.step + 1,
+            len(batch),
+            self.model,
+            self.optimizer,
+            self.params,
+            loss_scaler=self.loss_scaler,
+        )
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
         for ctx.microbatch, (inputs, targets) in enumerate(batch):

@@ -19,9 +19,6 @@ from plugtrain.plugin import SetupContext, StepContext, check_field, hookimpl
 
 __all__ = ["GradClip", "GradClipConfig"]
 
-NAME = "grad_clip"
-"""The plugin's name: its entry point, its ``[plugins] enabled`` entry and its config section."""
-
 
 @dataclass
 class GradClipConfig:
@@ -52,7 +49,8 @@ class GradClip:
 
     def __init__(self) -> None:
         self.config = GradClipConfig()
-        self._setup: SetupContext | None = None
+        self.name = "grad_clip"
+        """The name the run enables the plugin under (its entry point's), set in ``setup``."""
         self.total_norm = torch.zeros(())
         """The last step's pre-clip total norm: a 0-d fp32 tensor, the same on every rank."""
 
@@ -62,10 +60,8 @@ class GradClip:
 
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
-        self.config = ctx.plugin_config(NAME)
-        # NOTE: kept to read ``ctx.loss_scalers`` at step time. Plugins' ``setup`` calls run in
-        # an unspecified order, so a scaler may register itself after this call returns.
-        self._setup = ctx
+        self.name = ctx.name_of(self)
+        self.config = ctx.plugin_config(self)
 
     @hookimpl
     def post_backward(self, ctx: StepContext) -> None:
@@ -87,8 +83,7 @@ class GradClip:
 
     @hookimpl
     def pre_step(self, ctx: StepContext) -> str | None:
-        assert self._setup is not None, "setup fires before every step"
-        if self._setup.loss_scalers:
+        if ctx.loss_scaler is not None:
             return None
         # NOTE: the veto must be a Python value, so this reads the norm: one device sync per
         # step (on CUDA the host waits for the backward to finish before queueing the optimizer
@@ -100,11 +95,11 @@ class GradClip:
             return None
         if self.config.on_nonfinite == "raise":
             raise FloatingPointError(
-                f"grad_clip: the total gradient norm at step {ctx.step} is {value}: the loss "
+                f"{self.name}: the total gradient norm at step {ctx.step} is {value}: the loss "
                 f"or the gradients overflowed (lower optimizer.lr, or set "
-                f"grad_clip.on_nonfinite = 'skip' to skip such steps)"
+                f"{self.name}.on_nonfinite = 'skip' to skip such steps)"
             )
-        return f"grad_clip: total gradient norm is {value} (grad_clip.on_nonfinite = 'skip')"
+        return f"{self.name}: total gradient norm is {value} ({self.name}.on_nonfinite = 'skip')"
 
     @hookimpl
     def step_metrics(self, ctx: StepContext) -> dict[str, torch.Tensor]:

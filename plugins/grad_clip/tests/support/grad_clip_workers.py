@@ -60,7 +60,7 @@ class InfInjector:
     def setup(self, ctx):
         self.my_rank = ctx.rank
         if self.loss_scaler:
-            ctx.register_loss_scaler("inf_injector")
+            ctx.register_loss_scaler(self)
 
     @hookimpl(tryfirst=True)
     def post_backward(self, ctx):

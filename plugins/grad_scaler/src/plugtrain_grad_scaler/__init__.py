@@ -30,9 +30,6 @@ from plugtrain.plugin import ConfigError, SetupContext, StepContext, check_field
 
 __all__ = ["GradScalerConfig", "GradScalerPlugin"]
 
-NAME = "grad_scaler"
-"""The plugin's name: its entry point, its config section and its metrics' prefix."""
-
 
 @dataclass
 class GradScalerConfig:
@@ -116,6 +113,8 @@ class GradScalerPlugin:
         self._gate: _StepGate | None = None
         self.skipped_steps = 0
         """Steps skipped because their gradients held inf/nan, over the whole run."""
+        self.name = "grad_scaler"
+        """The name the run enables the plugin under (its entry point's), set in ``setup``."""
 
     @hookimpl
     def config_section(self) -> type:
@@ -123,19 +122,20 @@ class GradScalerPlugin:
 
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
-        self.config = cfg = ctx.plugin_config(NAME)
+        self.name = name = ctx.name_of(self)
+        self.config = cfg = ctx.plugin_config(self)
         dtype = str(ctx.param_dtype).removeprefix("torch.")
         if ctx.param_dtype != torch.float16:
             if cfg.enabled is True:
                 raise ConfigError(
-                    f"config key '{NAME}.enabled' is true but training.mixed_precision_param "
+                    f"config key '{name}.enabled' is true but training.mixed_precision_param "
                     f"is {dtype}: loss scaling is for float16 only ({dtype} has float32's "
-                    f'exponent range and needs none); set {NAME}.enabled = "auto" or false'
+                    f'exponent range and needs none); set {name}.enabled = "auto" or false'
                 )
-            ctx.deactivate(self, f"{NAME}: {dtype} needs no loss scaling, inactive")
+            ctx.deactivate(self, f"{name}: {dtype} needs no loss scaling, inactive")
             return
         if cfg.enabled is False:
-            ctx.deactivate(self, f"{NAME}: enabled = false, float16 runs without loss scaling")
+            ctx.deactivate(self, f"{name}: enabled = false, float16 runs without loss scaling")
             return
         # NOTE: torch.amp.GradScaler, not FSDP's ShardedGradScaler. With FSDP2 the gradients
         # are DTensors, and DTensor's dispatcher all-reduces (max) the found_inf flag of
@@ -154,7 +154,7 @@ class GradScalerPlugin:
             growth_interval=cfg.growth_interval,
         )
         self._gate = _StepGate(ctx.optimizer)
-        ctx.register_loss_scaler(NAME)
+        ctx.register_loss_scaler(self)
 
     @hookimpl
     def pre_backward(self, ctx: StepContext) -> None:
@@ -180,7 +180,7 @@ class GradScalerPlugin:
         # scale for it costs a second .item(), on skipped steps only.
         scale = scaler.get_scale()
         return (
-            f"{NAME}: inf/nan gradients at loss scale {scale:g}, "
+            f"{self.name}: inf/nan gradients at loss scale {scale:g}, "
             f"the scale backs off to {scale * self.config.backoff_factor:g}"
         )
 
@@ -217,5 +217,5 @@ class GradScalerPlugin:
 
     def _active(self) -> torch.amp.GradScaler:
         # Hooks fire only after setup kept the plugin registered, i.e. created the scaler.
-        assert self.scaler is not None, f"{NAME}: hook fired while inactive"
+        assert self.scaler is not None, f"{self.name}: hook fired while inactive"
         return self.scaler

@@ -43,7 +43,7 @@ class HookRecorder:
 
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
-        self.config = ctx.plugin_config("hook_recorder")
+        self.config = ctx.plugin_config(self)
         self.rank = ctx.rank
         self.param_dtype = ctx.param_dtype
         self.calls.append(Call("setup", 0, 0))

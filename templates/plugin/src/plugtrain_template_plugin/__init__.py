@@ -39,7 +39,7 @@ class TemplatePlugin:
 
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
-        self.config = ctx.plugin_config("template_plugin")
+        self.config = ctx.plugin_config(self)
         if self.config.factor == 1.0:
             ctx.deactivate(self, "factor is 1.0: nothing to do")
 
