@@ -101,7 +101,7 @@ def test_resolved_config_and_plugin_versions_written_at_start(recorded):
     assert config["model"]["flavor"] == "tiny"
     assert config["hook_recorder"] == {"output": "", "veto_steps": [3]}  # the plugin's section
     run = json.loads((folder / "run.json").read_text())
-    assert run["plugins"] == {"hook_recorder": "plugtrain-hook-recorder 0.1.0"}
+    assert run["plugins"] == {"hook_recorder": {"distribution": "plugtrain-hook-recorder 0.1.0"}}
     assert run["torch"] == torch.__version__ and run["world_size"] == 1
     assert (run["device"], run["gpu"]) == ("cpu", None)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grad_scaler_testing as gst
 import pytest
 import torch
@@ -17,6 +19,10 @@ def test_no_checks_no_syncs_no_state_same_parameters(tmp_path, dtype):
     assert "grad_scaler" not in auto.plugins.call_each("state_dict")  # nothing to checkpoint
     assert auto_ops[UNSCALE] == 0
     assert auto_ops[SYNC] == plain_ops[SYNC]
+    run = json.loads((tmp_path / "auto" / "run.json").read_text())
+    assert run["plugins"]["grad_scaler"]["inactive"] == (
+        f"grad_scaler: {dtype} needs no loss scaling, inactive"
+    )
     for (name, a), b in zip(auto.model.named_parameters(), plain.model.parameters(), strict=True):
         assert torch.equal(a.full_tensor(), b.full_tensor()), name
 
@@ -26,6 +32,8 @@ def test_the_profiler_sees_the_active_plugins_work(tmp_path):
     _, plain_ops = profiled_run(tmp_path / "plain", "float16")
     auto, auto_ops = profiled_run(tmp_path / "auto", "float16", "--plugins.enabled", "grad_scaler")
     assert "grad_scaler" in auto.plugins.names()
+    run = json.loads((tmp_path / "auto" / "run.json").read_text())
+    assert "inactive" not in run["plugins"]["grad_scaler"]
     assert plain_ops[UNSCALE] == 0
     # Per step, one foreach call over all (fp32) gradients: the DTensor op and its local kernel.
     assert auto_ops[UNSCALE] == 2 * PROFILED_STEPS

@@ -163,6 +163,14 @@ class PluginHost:
             raise KeyError(name)
         return plugin
 
+    def report(self) -> dict[str, dict[str, str]]:
+        """Each enabled plugin's distribution and version, and ``inactive``: the reason, for
+        one that deactivated itself in ``setup`` (for the run's records)."""
+        report = {name: {"distribution": version} for name, version in self.versions.items()}
+        for name, reason in self.inactive.items():
+            report.setdefault(name, {"distribution": "?"})["inactive"] = reason
+        return report
+
     def unregister(self, plugin: object) -> None:
         """Remove a plugin: none of its hooks fire afterwards."""
         self.pm.unregister(plugin)

@@ -276,15 +276,22 @@ class MetricsLogger:
 
 
 def write_run_records(
-    config: JobConfig, plugin_versions: Mapping[str, str], world_size: int, device: torch.device
+    config: JobConfig,
+    plugins: Mapping[str, Mapping[str, Any]],
+    world_size: int,
+    device: torch.device,
 ) -> None:
-    """Write ``config.json`` (the resolved config) and ``run.json`` to the dump folder."""
+    """Write ``config.json`` (the resolved config) and ``run.json`` to the dump folder.
+
+    ``plugins`` describes each enabled plugin (``PluginHost.report``): its distribution and
+    version, and for one that deactivated itself in ``setup``, ``inactive`` with its reason.
+    """
     folder = Path(config.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
     run = {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "argv": sys.argv,
-        "plugins": dict(plugin_versions),
+        "plugins": {name: dict(about) for name, about in plugins.items()},
         "plugtrain": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -294,5 +301,9 @@ def write_run_records(
     }
     for name, data in (("config.json", config.to_dict()), ("run.json", run)):
         (folder / name).write_text(json.dumps(data, indent=2) + "\n")
-    plugins = ", ".join(f"{name} ({version})" for name, version in plugin_versions.items())
-    logger.info("plugins: %s; config and run records in %s", plugins or "none", folder)
+    listed = ", ".join(
+        f"{name} ({about['distribution']}"
+        + (f"; inactive: {about['inactive']})" if "inactive" in about else ")")
+        for name, about in plugins.items()
+    )
+    logger.info("plugins: %s; config and run records in %s", listed or "none", folder)

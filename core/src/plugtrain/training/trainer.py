@@ -129,7 +129,7 @@ class Trainer:
         # NOTE: after the load, so that a refused resume leaves the run's records untouched.
         self.metrics.start(self.step)
         if self.world.is_main:
-            write_run_records(config, plugins.versions, self.world.world_size, self.device)
+            write_run_records(config, plugins.report(), self.world.world_size, self.device)
 
     def _setup_plugins(self) -> None:
         ctx = SetupContext(
@@ -147,8 +147,6 @@ class Trainer:
         )
         self.plugins.setup(ctx)
         self.loss_scaler = ctx.loss_scaler
-        for reason in self.plugins.inactive.values():
-            logger.info("plugin deactivated for this run: %s", reason)
         if self.param_dtype == torch.float16 and ctx.loss_scaler is None and self.world.is_main:
             warnings.warn(
                 "training.mixed_precision_param is float16 but no enabled plugin scales the "
