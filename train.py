@@ -19,8 +19,8 @@ def main() -> None:
     configured = configure(sys.argv[1:])
     if configured is None:  # --help
         return
-    config, plugins = configured
-    trainer = Trainer(config, plugins)
+    config, host = configured
+    trainer = Trainer(config, host)
     try:
         trainer.train()
     finally:

@@ -202,7 +202,7 @@ def shipped(flavor: str, dtype: str, accum: int, steps: int, reps: int) -> dict:
         seq_len=32,
     )  # fmt: skip
     trainer = Trainer(*configure(train_args))
-    host, model = trainer.plugins, trainer.model
+    host, model = trainer.host, trainer.model
     trainer.train_step(trainer.loader.next_batch())  # every lazy initialisation, untimed
     inputs, targets = trainer.loader.next_batch()[0]
     loss = cross_entropy(model(inputs), targets)

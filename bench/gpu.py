@@ -109,7 +109,7 @@ def throughput(
         "params_non_embedding": trainer.model_args.num_params(exclude_embedding=True),
         "batch_size": batch_size,
         "seq_len": seq_len,
-        "active_plugins": trainer.plugins.names(),
+        "active_plugins": trainer.host.names(),
         "steps": steps,
         "skipped_steps": trainer.skipped_steps - skipped_before,
         "step_seconds": step_s,

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from plugtrain.model.sharding import build_model
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import build_lr_scheduler, build_optimizer
-from plugtrain.training.trainer import Batch, Trainer, cross_entropy
+from plugtrain.training.trainer import StepBatch, Trainer, cross_entropy
 
 NAME = "hook_overhead"
 PLUGINS = ["grad_clip", "grad_scaler"]
@@ -102,7 +102,7 @@ class HandWrittenLoop:
             else None
         )
 
-    def train_step(self, batch: Batch) -> torch.Tensor:
+    def train_step(self, batch: StepBatch) -> torch.Tensor:
         """Forward and backward each microbatch, unscale, clip, step, update; the mean loss."""
         scaler = self.scaler
         loss_sum = torch.zeros((), device=self.device)
@@ -130,7 +130,9 @@ class HandWrittenLoop:
         return loss_sum
 
 
-def timed(step: Callable[[Batch], torch.Tensor], batch: Batch) -> tuple[float, float, float]:
+def timed(
+    step: Callable[[StepBatch], torch.Tensor], batch: StepBatch
+) -> tuple[float, float, float]:
     """Run one step; return its wall time and its CPU time in seconds, and its loss.
 
     NOTE: CPU time (of every thread of the process) counts the work the step did and leaves
@@ -172,7 +174,7 @@ def run_case(
     trainer = Trainer(config, host)
     hands = [HandWrittenLoop(trainer, same_model) for _ in range(2 if control else 1)]
     batch = trainer.loader.next_batch()
-    steps: list[Callable[[Batch], torch.Tensor]] = [
+    steps: list[Callable[[StepBatch], torch.Tensor]] = [
         lambda b: trainer.train_step(b)[0],
         *(hand.train_step for hand in hands),
     ]
@@ -197,7 +199,7 @@ def run_case(
         "seq_len": case.seq_len,
         "grad_accum_steps": accum,
         "plugins_enabled": PLUGINS,
-        "plugins_active": trainer.plugins.names(),
+        "plugins_active": trainer.host.names(),
         "warmup_steps": warmup,
         "rounds": n_rounds,
         "same_model": same_model,

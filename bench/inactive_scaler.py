@@ -52,7 +52,7 @@ def profile_steps(
             trainer.train_step(batch)
     counts = Counter({e.key: e.count for e in prof.key_averages()})
     params = [p.detach().full_tensor() for p in trainer.model.parameters()]
-    return counts, trainer.plugins.names(), params
+    return counts, trainer.host.names(), params
 
 
 def worker(flavor: str, dtypes: list[str], steps: int, threads: int) -> list[dict]:

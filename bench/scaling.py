@@ -62,9 +62,9 @@ def worker(train_args: list[str], threads: int, warmup: int, steps: int) -> dict
     config, host = configure(train_args)
     trainer = Trainer(config, host)
     probe = GradBytes()
-    trainer.plugins.register(probe, "bench_grad_bytes")
+    trainer.host.register(probe, "bench_grad_bytes")
     trainer.train_step(trainer.loader.next_batch())
-    trainer.plugins.unregister(probe)
+    trainer.host.unregister(probe)
     for _ in range(warmup - 1):
         trainer.train_step(trainer.loader.next_batch())
     times = []

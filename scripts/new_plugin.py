@@ -7,9 +7,13 @@ Usage, from the repository root::
 
 It copies the template, renaming ``template_plugin`` (the plugin and config section name),
 ``plugtrain_template_plugin`` (the import name), ``plugtrain-template-plugin`` (the
-distribution) and ``TemplatePlugin`` (the class) after ``<name>``, and adds
-``-e ./plugins/<name>`` to ``requirements-dev.txt`` at its place in alphabetical order, so
-that the README set-up command installs it. The result passes the tests as it is.
+distribution), ``TemplatePlugin`` (the class) and ``TemplatePluginConfig`` (its config section)
+after ``<name>``. That is the naming rule of every plugin: the class the entry point names is
+the name in CamelCase (``grad_clip`` -> ``GradClip``), its config dataclass adds ``Config``;
+it holds a torch class of the same name by its qualified name (``torch.amp.GradScaler``).
+It also adds ``-e ./plugins/<name>`` to ``requirements-dev.txt`` at its place in
+alphabetical order, so that the README set-up command installs it. The result passes the
+tests as it is.
 
 Everything a plugin is lives in its own folder; ``requirements-dev.txt`` is the one shared
 line, merged with git's ``union`` driver (``.gitattributes``) so that two stacks adding

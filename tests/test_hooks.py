@@ -37,7 +37,7 @@ def test_exact_hook_sequence(tmp_path, accum):
         tmp_path, "--plugins.enabled", "hook_recorder", "--training.grad_accum_steps", str(accum)
     )
     trainer.train()
-    recorder = trainer.plugins.get("hook_recorder")
+    recorder = trainer.host.get("hook_recorder")
     got = [(c.hook, c.step, c.microbatch, c.skipped) for c in recorder.calls]
     assert got == expected_calls(3, accum)
 
@@ -113,9 +113,9 @@ def test_veto_skips_optimizer_and_lr_schedule(tmp_path):
             assert same == ctx.skipped, f"step {ctx.step}: parameters changed={not same}"
             assert trainer.lr_scheduler.last_epoch == lrs[ctx.step] + (0 if ctx.skipped else 1)
 
-    trainer.plugins.register(Snapshot(), "snapshot")
+    trainer.host.register(Snapshot(), "snapshot")
     trainer.train()
-    recorder = trainer.plugins.get("hook_recorder")
+    recorder = trainer.host.get("hook_recorder")
     post = [c for c in recorder.calls if c.hook == "post_step"]
     assert [c.skipped for c in post] == [False, True, False]
     assert trainer.lr_scheduler.last_epoch == 2  # 3 steps, one vetoed
@@ -171,7 +171,7 @@ def test_deactivated_plugin_never_fires_again(tmp_path):
             Inactive.fired += 1
 
     trainer = make_trainer(tmp_path, extra={"inactive": Inactive()}, steps=2)
-    assert "inactive" not in trainer.plugins.names()
+    assert "inactive" not in trainer.host.names()
     trainer.train()
     assert Inactive.fired == 0
 

@@ -151,7 +151,7 @@ def test_a_traced_run_lists_every_hook_call_in_order(tmp_path, monkeypatch):
     trainer.train()
     trainer.close()
     calls, summary = read_trace(tmp_path)
-    recorder = trainer.plugins.get("hook_recorder")
+    recorder = trainer.host.get("hook_recorder")
     seen = [(c.hook, c.step, c.microbatch) for c in recorder.calls]  # what the plugin saw
     assert seen[:5] == [("setup", 0, 0), ("pre_backward", 1, 0), ("pre_backward", 1, 1),
                         ("post_backward", 1, 1), ("pre_step", 1, 1)]  # fmt: skip
@@ -176,7 +176,7 @@ def test_tracing_off_installs_nothing_and_writes_nothing(tmp_path, monkeypatch):
     trainer = Trainer(config, host)
     trainer.train()
     trainer.close()
-    recorder = trainer.plugins.get("hook_recorder")
+    recorder = trainer.host.get("hook_recorder")
     for hook_name in host.hook_names():
         for impl in getattr(host.hook, hook_name).get_hookimpls():
             assert impl.function == getattr(recorder, hook_name)  # the plugin's own method

@@ -8,7 +8,7 @@ import pytest
 from conftest import read_metrics
 from runs import tiny_args
 
-from plugtrain.config import LRScheduler
+from plugtrain.config import LRSchedulerConfig
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import lr_factor
 from plugtrain.training.trainer import Trainer
@@ -54,12 +54,12 @@ def test_validation_loss_is_logged_on_schedule(tmp_path):
     ],
 )
 def test_lr_schedule_warms_up_then_decays(decay, expected):
-    cfg = LRScheduler(warmup_steps=2, decay_type=decay, min_lr_ratio=0.1)
+    cfg = LRSchedulerConfig(warmup_steps=2, decay_type=decay, min_lr_ratio=0.1)
     got = [lr_factor(step, cfg, total_steps=4) for step in range(6)]
     assert got == pytest.approx(expected)
 
 
 def test_cosine_is_halfway_at_half_the_decay():
-    cfg = LRScheduler(warmup_steps=0, decay_type="cosine", min_lr_ratio=0.0)
+    cfg = LRSchedulerConfig(warmup_steps=0, decay_type="cosine", min_lr_ratio=0.0)
     assert lr_factor(50, cfg, total_steps=100) == pytest.approx(0.5)
     assert lr_factor(25, cfg, total_steps=100) == pytest.approx((1 + math.cos(math.pi / 4)) / 2)

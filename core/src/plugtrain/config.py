@@ -27,7 +27,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass
-class Job:
+class JobInfoConfig:
     dump_folder: str = "outputs/run"
     """Folder the run writes its metrics, resolved config and checkpoints to."""
     description: str = "plugtrain run"
@@ -35,7 +35,7 @@ class Job:
 
 
 @dataclass
-class Model:
+class ModelConfig:
     flavor: str = "debug"
     """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.transformer.FLAVORS``)."""
     tokenizer_path: str = "data/shakespeare/tokenizer.json"
@@ -52,7 +52,7 @@ class Model:
 
 
 @dataclass
-class Training:
+class TrainingConfig:
     steps: int = 200
     """Optimizer steps to train for."""
     batch_size: int = 8
@@ -77,7 +77,7 @@ class Training:
 
 
 @dataclass
-class Optimizer:
+class OptimizerConfig:
     lr: float = 3e-3
     """Peak learning rate of AdamW, reached after the warmup."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -103,7 +103,7 @@ class Optimizer:
 
 
 @dataclass
-class LRScheduler:
+class LRSchedulerConfig:
     warmup_steps: int = 20
     """Steps of linear warmup from ~0 to ``optimizer.lr``."""
     decay_type: Literal["cosine", "linear", "constant"] = "cosine"
@@ -125,7 +125,7 @@ class LRScheduler:
 
 
 @dataclass
-class Data:
+class DataConfig:
     train_path: str = "data/shakespeare/train.jsonl"
     """JSONL file of training documents, one JSON object per line."""
     validation_path: str = "data/shakespeare/validation.jsonl"
@@ -137,7 +137,7 @@ class Data:
 
 
 @dataclass
-class Validation:
+class ValidationConfig:
     interval: int = 50
     """Evaluate the validation loss every this many steps and at the end; 0 disables it."""
     steps: int = 4
@@ -149,7 +149,7 @@ class Validation:
 
 
 @dataclass
-class Metrics:
+class MetricsConfig:
     log_freq: int = 10
     """Log a metrics line every this many steps (and on the first and last step)."""
     enable_tensorboard: bool = False
@@ -176,7 +176,7 @@ class Metrics:
 
 
 @dataclass
-class Checkpoint:
+class CheckpointConfig:
     enable: bool = False
     """Save checkpoints to ``<job.dump_folder>/checkpoints/step-<N>/`` and resume from them: a
     run started again with the same dump folder continues where the last complete one left off."""
@@ -212,7 +212,7 @@ class Checkpoint:
 
 
 @dataclass
-class Plugins:
+class PluginsConfig:
     enabled: list[str] = field(default_factory=list)
     """Names of the installed plugins to load, e.g. ``["grad_clip"]``; others are never imported."""
 
@@ -221,16 +221,16 @@ class Plugins:
 class JobConfig:
     """The whole config: the core's sections, plus one section per enabled plugin."""
 
-    job: Job = field(default_factory=Job)
-    model: Model = field(default_factory=Model)
-    training: Training = field(default_factory=Training)
-    optimizer: Optimizer = field(default_factory=Optimizer)
-    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
-    data: Data = field(default_factory=Data)
-    validation: Validation = field(default_factory=Validation)
-    metrics: Metrics = field(default_factory=Metrics)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    plugins: Plugins = field(default_factory=Plugins)
+    job: JobInfoConfig = field(default_factory=JobInfoConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
     plugin_sections: dict[str, Any] = field(default_factory=dict)
     """Each enabled plugin's validated config dataclass, by plugin name."""
 

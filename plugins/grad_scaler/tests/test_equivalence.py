@@ -78,7 +78,7 @@ def check_against_reference(
         tmp_path / "plugin", *TRAINING, "--plugins.enabled", enabled, *SCALER,
         *(("--grad_clip.max_norm", str(MAX_NORM)) if clip else ()), steps=STEPS, **order,
     )  # fmt: skip
-    assert [n for n in trainer.plugins.names() if n.startswith("grad_")] == enabled.split(",")
+    assert [n for n in trainer.host.names() if n.startswith("grad_")] == enabled.split(",")
     trainer.train()
     reference, ref_scales, ref_norms = reference_loop(tmp_path / "reference", clip)
 

@@ -63,7 +63,7 @@ def test_enabled_true_without_float16_is_a_clear_error(tmp_path, dtype):
 @pytest.mark.parametrize(("enabled", "active"), [("auto", True), ("true", True), ("false", False)])
 def test_float16_activation_and_the_missing_scaler_warning(tmp_path, recwarn, enabled, active):
     trainer = gst.make_trainer(tmp_path, *gst.FP16, *ENABLE, "--grad_scaler.enabled", enabled)
-    assert ("grad_scaler" in trainer.plugins.names()) is active
+    assert ("grad_scaler" in trainer.host.names()) is active
     warned = [w for w in recwarn if "no enabled plugin scales the loss" in str(w.message)]
     assert bool(warned) is not active
 
@@ -99,7 +99,7 @@ def test_scale_grows_after_growth_interval_clean_steps_and_backs_off_on_each_inf
 def test_state_dict_round_trip_restores_scale_and_growth_tracker(tmp_path):
     first, records = run_with_infs(tmp_path / "a", *GROWTH, steps=5, inf_steps={3, 4})
     assert records[-1]["grad_scaler/loss_scale"] == 256  # one clean step since the backoff
-    state = first.plugins.call_each("state_dict")["grad_scaler"]
+    state = first.host.call_each("state_dict")["grad_scaler"]
     assert state == {
         "scale": torch.tensor(256.0),
         "growth_tracker": torch.tensor(1),
@@ -108,7 +108,7 @@ def test_state_dict_round_trip_restores_scale_and_growth_tracker(tmp_path):
     assert all(isinstance(v, torch.Tensor) for v in state.values())  # no pickled objects
 
     resumed = gst.make_trainer(tmp_path / "b", *gst.FP16, *ENABLE, *GROWTH, steps=1)
-    plugin = resumed.plugins.get("grad_scaler")
+    plugin = resumed.host.get("grad_scaler")
     plugin.load_state_dict(state)
     assert plugin.state_dict() == state
     assert plugin.skipped_steps == 2
@@ -121,10 +121,10 @@ def test_resume_of_a_bfloat16_checkpoint_into_float16_starts_at_init_scale(tmp_p
     bf16 = gst.make_trainer(
         tmp_path / "bf16", "--training.mixed_precision_param", "bfloat16", *ENABLE, steps=1
     )
-    assert "grad_scaler" not in bf16.plugins.call_each("state_dict")  # nothing saved
+    assert "grad_scaler" not in bf16.host.call_each("state_dict")  # nothing saved
     fp16 = gst.make_trainer(
         tmp_path / "fp16", *gst.FP16, *ENABLE, "--grad_scaler.init_scale", "512", steps=1
     )
-    fp16.plugins.get("grad_scaler").load_state_dict({})  # tolerated all the same
+    fp16.host.get("grad_scaler").load_state_dict({})  # tolerated all the same
     fp16.train()
     assert gst.read_metrics(tmp_path / "fp16")[-1]["grad_scaler/loss_scale"] == 512

@@ -15,8 +15,8 @@ from grad_scaler_testing import PROFILED_STEPS, SYNC, UNSCALE, profiled_run
 def test_no_checks_no_syncs_no_state_same_parameters(tmp_path, dtype):
     plain, plain_ops = profiled_run(tmp_path / "plain", dtype)
     auto, auto_ops = profiled_run(tmp_path / "auto", dtype, "--plugins.enabled", "grad_scaler")
-    assert "grad_scaler" not in auto.plugins.names()  # deactivated in setup
-    assert "grad_scaler" not in auto.plugins.call_each("state_dict")  # nothing to checkpoint
+    assert "grad_scaler" not in auto.host.names()  # deactivated in setup
+    assert "grad_scaler" not in auto.host.call_each("state_dict")  # nothing to checkpoint
     assert auto_ops[UNSCALE] == 0
     assert auto_ops[SYNC] == plain_ops[SYNC]
     run = json.loads((tmp_path / "auto" / "run.json").read_text())
@@ -31,7 +31,7 @@ def test_the_profiler_sees_the_active_plugins_work(tmp_path):
     """The control that makes the test above able to fail: float16 shows the checks and syncs."""
     _, plain_ops = profiled_run(tmp_path / "plain", "float16")
     auto, auto_ops = profiled_run(tmp_path / "auto", "float16", "--plugins.enabled", "grad_scaler")
-    assert "grad_scaler" in auto.plugins.names()
+    assert "grad_scaler" in auto.host.names()
     run = json.loads((tmp_path / "auto" / "run.json").read_text())
     assert "inactive" not in run["plugins"]["grad_scaler"]
     assert plain_ops[UNSCALE] == 0

@@ -59,7 +59,7 @@ from plugtrain.checkpoint.dcp_io import (
 )
 from plugtrain.checkpoint.faults import Fault
 from plugtrain.checkpoint.rng import rng_state, set_rng_state
-from plugtrain.config import Checkpoint
+from plugtrain.config import CheckpointConfig
 from plugtrain.distributed import World
 from plugtrain.errors import CheckpointError, one_line
 from plugtrain.host.plugin_host import PluginHost
@@ -123,7 +123,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        config: Checkpoint,
+        config: CheckpointConfig,
         dump_folder: str | os.PathLike[str],
         world: World,
         total_steps: int,

@@ -26,7 +26,8 @@ import torch
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError, MissingFileError
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+"""One microbatch: ``(inputs, targets)``, each ``[batch, seq_len]`` token ids."""
 """(inputs, targets), both int64 of shape [batch, seq_len]; targets are inputs shifted by one."""
 
 
@@ -108,14 +109,14 @@ class PackedDataset:
     def __len__(self) -> int:
         return self._samples.shape[0]
 
-    def __getitem__(self, index: int) -> Batch:
+    def __getitem__(self, index: int) -> MicroBatch:
         """(inputs, targets) of sample ``index``, int64 tensors of shape [seq_len]."""
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
         sample = self._samples[index].long()
         return sample[:-1], sample[1:]
 
-    def collate(self, indices: Sequence[int]) -> Batch:
+    def collate(self, indices: Sequence[int]) -> MicroBatch:
         """Stack the samples at ``indices`` into (inputs, targets) of shape [len, seq_len]."""
         samples = self._samples[torch.as_tensor(indices, dtype=torch.long)].long()
         return samples[:, :-1], samples[:, 1:]
@@ -199,7 +200,7 @@ class StatefulBatchLoader:
             self._order_epoch = self._epoch
         return self._order
 
-    def next_batch(self) -> list[Batch]:
+    def next_batch(self) -> list[MicroBatch]:
         """This rank's ``grad_accum_steps`` microbatches of the next optimizer step."""
         if self._position + self.global_batch_size > len(self.dataset):
             self._epoch += 1
@@ -243,7 +244,7 @@ def iter_eval_batches(
     rank: int,
     world_size: int,
     max_batches: int | None = None,
-) -> Iterator[Batch]:
+) -> Iterator[MicroBatch]:
     """This rank's share of the validation batches, in dataset order (no shuffling).
 
     ``batch_size`` is global (over all ranks, like ``training.batch_size``), so the samples

@@ -9,8 +9,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from plugtrain.config import LRScheduler
-from plugtrain.config import Optimizer as OptimizerConfig
+from plugtrain.config import LRSchedulerConfig, OptimizerConfig
 
 
 def build_optimizer(
@@ -27,7 +26,7 @@ def build_optimizer(
     )
 
 
-def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
+def lr_factor(step: int, cfg: LRSchedulerConfig, total_steps: int) -> float:
     """The multiplier of the peak LR for the optimizer step that follows ``step`` taken steps.
 
     Warmup rises linearly to 1 at the end of ``cfg.warmup_steps``; then the factor decays to
@@ -45,7 +44,7 @@ def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
-def build_lr_scheduler(optimizer: Optimizer, cfg: LRScheduler, total_steps: int) -> LambdaLR:
+def build_lr_scheduler(optimizer: Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LambdaLR:
     """A ``LambdaLR`` over :func:`lr_factor`; its ``last_epoch`` counts the steps taken.
 
     NOTE: a vetoed step does not call ``scheduler.step()``, so the schedule follows the

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from plugtrain.checkpoint.manager import CheckpointManager
 from plugtrain.config import JobConfig
 from plugtrain.data.pipeline import (
+    MicroBatch,
     PackedDataset,
     StatefulBatchLoader,
     build_dataset,
@@ -36,7 +37,8 @@ from plugtrain.training.optim import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("plugtrain")
 
-Batch = Sequence[tuple[torch.Tensor, torch.Tensor]]
+StepBatch = Sequence[MicroBatch]
+"""The microbatches of one optimizer step, on this rank."""
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -47,8 +49,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Trainer:
     """One training run: the model, its data, optimizer and schedule, and the plugins' hooks."""
 
-    def __init__(self, config: JobConfig, plugins: PluginHost) -> None:
-        self.config, self.plugins, self.hook = config, plugins, plugins.hook
+    def __init__(self, config: JobConfig, host: PluginHost) -> None:
+        self.config, self.host, self.hook = config, host, host.hook
         train_cfg = config.training
         self.world: World = init_world(train_cfg.device)
         setup_logging(self.world.rank, config.metrics.log_all_ranks)
@@ -113,7 +115,7 @@ class Trainer:
         )
         self.tracer: HookTracer | None = None
         if tracing_requested(config.metrics.trace_hooks):
-            self.tracer = HookTracer.install(plugins, config.job.dump_folder, self.world.rank)
+            self.tracer = HookTracer.install(host, config.job.dump_folder, self.world.rank)
         self._setup_plugins()
         self.checkpointer = CheckpointManager(
             config.checkpoint,
@@ -123,13 +125,13 @@ class Trainer:
             self.model,
             self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "data": self.loader, "train": self},
-            host=plugins,
+            host=host,
         )
         self.checkpointer.load()
         # NOTE: after the load, so that a refused resume leaves the run's records untouched.
         self.metrics.start(self.step)
         if self.world.is_main:
-            write_run_records(config, plugins.report(), self.world.world_size, self.device)
+            write_run_records(config, host.report(), self.world.world_size, self.device)
 
     def _setup_plugins(self) -> None:
         ctx = SetupContext(
@@ -143,9 +145,9 @@ class Trainer:
             mesh=self.world.mesh,
             rank=self.world.rank,
             world_size=self.world.world_size,
-            name_of=self.plugins.name_of,
+            name_of=self.host.name_of,
         )
-        self.plugins.setup(ctx)
+        self.host.setup(ctx)
         self.loss_scaler = ctx.loss_scaler
         if self.param_dtype == torch.float16 and ctx.loss_scaler is None and self.world.is_main:
             warnings.warn(
@@ -168,7 +170,7 @@ class Trainer:
         self.tokens_seen = state_dict["tokens_seen"]
         self.skipped_steps = state_dict["skipped_steps"]
 
-    def train_step(self, batch: Batch) -> tuple[torch.Tensor, StepContext]:
+    def train_step(self, batch: StepBatch) -> tuple[torch.Tensor, StepContext]:
         """One optimizer step over ``batch``'s microbatches; returns the mean loss and context."""
         ctx = StepContext(
             self.step + 1,
@@ -241,7 +243,7 @@ class Trainer:
         times = self.timer.window()
         global_loss = all_reduce_mean(loss, self.world.world_size)
         record = {"step": self.step, "loss": to_number(global_loss), "lr": lr}
-        for plugin, metrics in self.plugins.call_each("step_metrics", ctx=ctx).items():
+        for plugin, metrics in self.host.call_each("step_metrics", ctx=ctx).items():
             record.update({f"{plugin}/{k}": to_number(v) for k, v in metrics.items()})
         train_cfg = self.config.training
         record.update(

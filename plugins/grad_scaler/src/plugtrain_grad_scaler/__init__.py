@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from plugtrain.plugin import ConfigError, SetupContext, StepContext, check_field, hookimpl
 
-__all__ = ["GradScalerConfig", "GradScalerPlugin"]
+__all__ = ["GradScaler", "GradScalerConfig"]
 
 
 @dataclass
@@ -71,13 +71,13 @@ class GradScalerConfig:
 
 
 class _StepGate:
-    """Stands in for the optimizer in ``GradScaler.unscale_`` and ``GradScaler.step``.
+    """Stands in for the optimizer in ``torch.amp.GradScaler.unscale_`` and ``.step``.
 
     It exposes the optimizer's ``param_groups`` (all ``unscale_`` reads), and its ``step()``
-    records that ``GradScaler.step`` decided to step instead of stepping: the trainer calls
-    ``optimizer.step()`` itself, and the LR scheduler with it, unless a plugin vetoes.
+    records that torch's ``GradScaler.step`` decided to step instead of stepping: the trainer
+    calls ``optimizer.step()`` itself, and the LR scheduler with it, unless a plugin vetoes.
 
-    NOTE: this lets the plugin use GradScaler's public methods only, in the canonical order.
+    NOTE: this lets the plugin use torch's GradScaler's public methods only, in the canonical order.
     ``scaler.step(gate)`` runs exactly the non-fused path of ``scaler.step(optimizer)`` (the
     found_inf check, summed over devices, read with one ``.item()``) and leaves the recorded
     inf checks that ``update()`` asserts on. The alternative, reading the private
@@ -100,7 +100,7 @@ class _StepGate:
         self.opened = True
 
 
-class GradScalerPlugin:
+class GradScaler:
     """Scales the loss of float16 runs and skips the steps whose gradients overflow.
 
     The entry point names this class; the plugin manager makes one instance per run.

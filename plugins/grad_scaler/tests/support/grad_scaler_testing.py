@@ -102,7 +102,7 @@ class StepWatcher:
     @hookimpl
     def step_metrics(self, ctx: StepContext) -> None:
         # Fires after every post_step (log_freq 1), so after the scaler's update.
-        self.scales[ctx.step] = self.trainer.plugins.get("grad_scaler").scaler.get_scale()
+        self.scales[ctx.step] = self.trainer.host.get("grad_scaler").scaler.get_scale()
 
 
 def inf_on_one_rank(dump_folder: str) -> dict:
@@ -122,7 +122,7 @@ def inf_on_one_rank(dump_folder: str) -> dict:
         "state_changed": watcher.state_changed,
         "scales": watcher.scales,
         "lr_steps": trainer.lr_scheduler.last_epoch,
-        "skipped": trainer.plugins.get("grad_scaler").skipped_steps,
+        "skipped": trainer.host.get("grad_scaler").skipped_steps,
     }
 
 
