@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from plugtrain.errors import ConfigError, FieldError, check_field, did_you_mean, require_extra
+from plugtrain.model.transformer import FLAVORS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -42,8 +43,6 @@ class ModelConfig:
     """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's."""
 
     def __post_init__(self) -> None:
-        from plugtrain.model.transformer import FLAVORS
-
         if self.flavor not in FLAVORS:
             raise ConfigError(
                 f"config key 'model.flavor' is '{self.flavor}'{did_you_mean(self.flavor, FLAVORS)};"

@@ -1,0 +1,102 @@
+"""The import graph: parts import downwards only, and plugins import the plugin API only.
+
+Every import counts, including those under ``TYPE_CHECKING`` and inside functions: a cycle
+hidden there is still a cycle a reader has to untangle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+from runs import REPO
+
+CORE = REPO / "core" / "src"
+PLUGIN_API = {"plugtrain.plugin", "plugtrain.testing"}
+"""The only core modules a plugin (or the plugin template) may import."""
+TRAINER = "plugtrain.training.trainer"
+"""The composition root: only entry points (train.py, the CLI) may import it."""
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """Every ``plugtrain`` module ``path`` imports, anywhere in the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from plugtrain.observability import trace`` imports a module, not a name.
+            found |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                for a in node.names
+            }
+    return {name for name in found if name == "plugtrain" or name.startswith("plugtrain.")}
+
+
+def core_graph() -> dict[str, set[str]]:
+    paths = {module_name(p, CORE): p for p in CORE.rglob("*.py")}
+    known = set(paths)
+    return {name: imported_modules(path, known) - {name} for name, path in paths.items()}
+
+
+def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
+    state: dict[str, str] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt, [*path, nxt])):
+                return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [node])):
+            return cycle
+    return None
+
+
+def plugin_sources() -> Iterator[Path]:
+    for src in [*REPO.glob("plugins/*/src"), REPO / "templates" / "plugin" / "src"]:
+        yield from src.rglob("*.py")
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "d": {"a", "c"}}) is None
+
+
+def test_the_core_has_no_import_cycle():
+    assert find_cycle(core_graph()) is None
+
+
+def test_only_entry_points_import_the_trainer():
+    importers = sorted(name for name, deps in core_graph().items() if TRAINER in deps)
+    assert importers == []
+
+
+def test_plugins_import_only_the_plugin_api():
+    offenders = {
+        str(path.relative_to(REPO)): sorted(imported - PLUGIN_API)
+        for path in plugin_sources()
+        if (imported := imported_modules(path, set()) - PLUGIN_API)
+    }
+    assert offenders == {}
+
+
+@pytest.mark.parametrize("name", sorted(core_graph()))
+def test_every_core_module_says_what_it_holds(name):
+    path = next(p for p in CORE.rglob("*.py") if module_name(p, CORE) == name)
+    docstring = ast.get_docstring(ast.parse(path.read_text()))
+    assert docstring, f"{path} has no module docstring"
+    assert docstring.splitlines()[0].endswith("."), f"{path}: the first line is not a sentence"
