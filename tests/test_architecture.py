@@ -100,3 +100,22 @@ def test_every_core_module_says_what_it_holds(name):
     docstring = ast.get_docstring(ast.parse(path.read_text()))
     assert docstring, f"{path} has no module docstring"
     assert docstring.splitlines()[0].endswith("."), f"{path}: the first line is not a sentence"
+
+
+def docstrings(tree: ast.AST) -> Iterator[str]:
+    for node in ast.walk(tree):
+        value = node.value if isinstance(node, ast.Expr) else None
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            yield value.value
+
+
+def test_note_marks_only_rare_traps_and_never_a_docstring():
+    sources = [*CORE.rglob("*.py"), *REPO.glob("plugins/*/**/*.py")]
+    notes = sum(path.read_text().count("NOTE:") for path in sources)
+    assert notes <= 13, f"{notes} NOTE: markers: keep them for traps a careful reader falls into"
+    in_docstrings = [
+        str(path.relative_to(REPO))
+        for path in sources
+        if any("NOTE:" in doc for doc in docstrings(ast.parse(path.read_text())))
+    ]
+    assert in_docstrings == []

@@ -293,7 +293,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             try:
                 return coerce(value, arg, key)
             except ConfigError:
-                continue  # NOTE: a later member may accept it; none accepting is reported below
+                continue  # A later member may accept it; none accepting is reported below
         expected = " or ".join(map(_choices_name, args))
         raise ConfigError(f"config key '{key}' must be {expected}, got {value!r}")
     if origin is list:

@@ -56,7 +56,7 @@ def init_world(device_choice: str) -> World:
         if "RANK" in os.environ:  # launched by torchrun: env:// rendezvous
             dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         else:
-            # NOTE: a private HashStore makes a one-process group without opening a port, so
+            # A private HashStore makes a one-process group without opening a port, so
             # the single-process run takes exactly the same FSDP2 code path as torchrun's.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world_size = dist.get_world_size()
@@ -67,7 +67,6 @@ def init_world(device_choice: str) -> World:
 def all_reduce_mean(values: torch.Tensor, world_size: int) -> torch.Tensor:
     """Mean over ranks of a tensor (in place); a no-op in a world of one."""
     if world_size > 1:
-        # NOTE: gloo has no AVG reduction: sum, then divide.
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         values /= world_size
     return values

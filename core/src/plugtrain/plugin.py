@@ -116,7 +116,7 @@ class StepContext:
     optimizer: Optimizer
     params: tuple[nn.Parameter, ...]
     """The model's parameters, in ``model.parameters()`` order (FSDP2 DTensors, sharded over
-    the mesh). NOTE: a tuple the trainer builds once: walking the module tree costs 50 us
+    the mesh). A tuple the trainer builds once: walking the module tree costs 50 us
     (debug model) to 400 us (8B) per ``model.parameters()`` call."""
     loss_scaler: str | None = None
     """The plugin that scales the loss this run (see :meth:`SetupContext.register_loss_scaler`),

@@ -1,7 +1,7 @@
 """Puts the core's test helpers (``tests/runs.py``, ``tests/distributed.py``...) and this
 folder's ``support/`` on ``sys.path``.
 
-NOTE: the per-rank functions live in ``support/grad_clip_workers.py``, a module importable by
+The per-rank functions live in ``support/grad_clip_workers.py``, a module importable by
 name, because ``run_distributed`` pickles them into spawned processes. ``support/`` holds no
 ``conftest.py``, so it cannot shadow the core tests' ``from conftest import ...``.
 """

@@ -1,7 +1,7 @@
 """Puts the core's test helpers (``tests/runs.py``, ``tests/distributed.py``) and this folder's
 ``support/`` on ``sys.path``.
 
-NOTE: ``support/grad_scaler_testing.py`` must be importable by name, because
+``support/grad_scaler_testing.py`` must be importable by name, because
 ``run_distributed`` pickles its per-rank functions into spawned processes. ``support/`` holds
 no ``conftest.py``, so it cannot shadow the core tests' ``from conftest import ...``.
 """

@@ -22,7 +22,7 @@ def test_inf_in_one_ranks_shard_skips_the_step_on_every_rank(tmp_path):
 
 
 def test_choice_of_grad_scaler_class(tmp_path):
-    """The evidence behind torch.amp.GradScaler over ShardedGradScaler (see the plugin's NOTE).
+    """The evidence behind torch.amp.GradScaler over ShardedGradScaler (the plugin's setup).
 
     With FSDP2's DTensor gradients, GradScaler.unscale_ already all-reduces found_inf once (in
     DTensor's dispatcher), so both ranks see the inf of rank 1's shard. ShardedGradScaler adds

@@ -27,7 +27,7 @@ from plugtrain.errors import CheckpointError, one_line
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` and refuses every class but DCP's own metadata types.
 
-    NOTE: DCP writes ``.metadata`` with ``pickle`` and its FileSystemReader reads it with a plain
+    DCP writes ``.metadata`` with ``pickle`` and its FileSystemReader reads it with a plain
     ``pickle.load``, which would run any code a crafted file names.
     """
 
@@ -105,7 +105,7 @@ def read_checkpoint(path: str | os.PathLike[str], prefix: str = "") -> dict[str,
         if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
     with warnings.catch_warnings():
-        # NOTE: DCP warns that it assumes one process when torch.distributed is not set up,
+        # DCP warns that it assumes one process when torch.distributed is not set up,
         # which is exactly what no_dist asks for.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(

@@ -150,17 +150,17 @@ class CheckpointManager:
         if not self.config.enable:
             return
         if self.world.world_size > 1:
-            # NOTE: a CPU (gloo) group for the per-step stop vote and the save barriers, whatever
+            # A CPU (gloo) group for the per-step stop vote and the save barriers, whatever
             # the training backend: a few bytes over TCP, no device synchronisation.
             self._control_group = dist.new_group(backend="gloo")
         if self.config.async_mode == "async":
-            # NOTE: the background save runs DCP's collectives; on a group of their own they
+            # The background save runs DCP's collectives; on a group of their own they
             # never interleave with the training loop's.
             self._async_group = dist.new_group(backend="gloo")
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugtrain-checkpoint")
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
-        # NOTE: only a flag: the step in progress finishes, then after_step saves and stops.
+        # Only a flag: the step in progress finishes, then after_step saves and stops.
         self._stop_requested = True
 
     # ----------------------------------------------------------------------- saving
@@ -226,7 +226,7 @@ class CheckpointManager:
             if final.exists():  # an earlier save of this step, by a run resumed from before it
                 _delete(final)
             partial.rename(final)
-        # NOTE: so that on every rank a returned save is a visible one.
+        # So that on every rank a returned save is a visible one.
         self._barrier(group)
         if not self.world.is_main:
             return
@@ -278,7 +278,7 @@ class CheckpointManager:
                 self._executor.shutdown()
                 self._executor = None
             if self._sigterm_installed:
-                # NOTE: signal.signal returns None for a handler not set from Python.
+                # signal.signal returns None for a handler not set from Python.
                 previous = self._previous_sigterm
                 signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
                 self._sigterm_installed = False
@@ -329,7 +329,7 @@ class CheckpointManager:
     def _storable(state: dict[str, Any]) -> dict[str, Any]:
         """``state`` as tensors only (:func:`to_tensors`).
 
-        NOTE: an optimizer param group's ``params`` are parameter names, which the model that
+        An optimizer param group's ``params`` are parameter names, which the model that
         loads the checkpoint supplies: they are left out rather than pickled.
         """
         optimizer = state["optimizer"]
@@ -353,7 +353,7 @@ class CheckpointManager:
             self._sigterm_installed = True
 
     def _choose(self) -> Path | None:
-        # NOTE: every rank lists the folder itself: DCP's file system storage already needs
+        # Every rank lists the folder itself: DCP's file system storage already needs
         # one folder that all ranks see.
         available = complete_checkpoints(self.folder)
         load_step = self.config.load_step

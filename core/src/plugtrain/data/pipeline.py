@@ -47,7 +47,7 @@ def load_jsonl_texts(
             f"{where} not found: set {key} to a JSONL file with one {{{field!r}: ...}} per line"
         )
     texts = []
-    # NOTE: binary mode, so that a UTF-8 error is reported with its line number by json.loads.
+    # Binary mode, so that a UTF-8 error is reported with its line number by json.loads.
     with path.open("rb") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -70,7 +70,7 @@ def load_jsonl_texts(
 def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
     """Encode ``texts`` into one 1-D int32 stream of ``[bos] tokens [eos]`` per document.
 
-    ``bos`` is left out when the tokenizer has no ``<|begin_of_text|>``. NOTE: int32 halves
+    ``bos`` is left out when the tokenizer has no ``<|begin_of_text|>``. int32 halves
     the memory of int64 and holds any real vocabulary; :class:`PackedDataset` widens each
     sample to the int64 that embedding lookups and cross-entropy take.
     """

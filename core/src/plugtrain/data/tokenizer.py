@@ -77,7 +77,7 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens, encoded in parallel by the library.
 
-        NOTE: the library's thread pool is disabled in a process forked after it was used
+        The library's thread pool is disabled in a process forked after it was used
         (it warns about TOKENIZERS_PARALLELISM); tokenize before starting worker processes.
         """
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)

@@ -20,7 +20,7 @@ def shard_model(
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     layers = list(model.layers)
     for i, block in enumerate(layers):
-        # NOTE: the last block stays gathered after forward, since backward needs it at once.
+        # The last block stays gathered after forward, since backward needs it at once.
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return policy

@@ -254,7 +254,7 @@ def init_trunc_normal(std: float) -> Fill:
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned per-channel scale.
 
-    NOTE: normalises in float32 and casts back before the scale, as Meta's Llama does, so that
+    Normalises in float32 and casts back before the scale, as Meta's Llama does, so that
     bf16/fp16 activations (FSDP2 mixed precision) do not lose precision in the mean of squares.
     """
 
@@ -336,7 +336,7 @@ class TransformerBlock(nn.Module):
     def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:
         """(parameter, how to fill it) for every parameter of the block, in a fixed order.
 
-        NOTE: the projections that write into the residual stream (wo, w2) get a std that
+        The projections that write into the residual stream (wo, w2) get a std that
         shrinks with depth, 0.02 / sqrt(2 * (layer_id + 1)) (torchtitan's depth_init), so the
         residual stream's variance does not grow with the number of layers at init.
         """
@@ -372,7 +372,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        # NOTE: non-persistent (not in state_dict, hence not in checkpoints) because it is a
+        # Non-persistent (not in state_dict, hence not in checkpoints) because it is a
         # pure function of args; init_weights recomputes it after to_empty. It is complex so
         # that FSDP2's MixedPrecisionPolicy, which casts floating-point forward inputs of every
         # sharded block to param_dtype, leaves it in full precision.
@@ -423,7 +423,7 @@ class Transformer(nn.Module):
         DTensors (any mesh, any world size), and whether the model was built on the CPU or on
         the meta device and then ``to_empty``'d. See ``init_plan`` for the distributions.
 
-        NOTE: each parameter's FULL tensor is drawn on the CPU from its own ``torch.Generator``
+        Each parameter's FULL tensor is drawn on the CPU from its own ``torch.Generator``
         (seeded from ``seed`` and the parameter's position in ``init_plan``), then every rank
         keeps its shard. Calling ``nn.init`` on the DTensors directly would not do: DTensor
         random ops on the CPU draw each shard from the local generator, so the full weights

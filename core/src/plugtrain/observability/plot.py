@@ -71,7 +71,7 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path) -> Path:
             "plugtrain plot needs the 'matplotlib' package, which is not installed: "
             "pip install 'plugtrain[plot]'"
         )
-    # NOTE: a bare Figure renders through Agg without pyplot: no GUI backend, no global state.
+    # A bare Figure renders through Agg without pyplot: no GUI backend, no global state.
     from matplotlib.figure import Figure
 
     data = [read_run(run) for run in runs]

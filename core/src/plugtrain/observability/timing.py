@@ -15,7 +15,6 @@ def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: CUDA max allocated, or the CPU's max resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    # NOTE: ru_maxrss is in KiB on Linux.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 

@@ -40,7 +40,7 @@ def run_cli(main: Callable[[], int | None]) -> int:
     try:
         return main() or 0
     except UserError as e:
-        # NOTE: every rank fails the same way on bad input; one copy of the message suffices.
+        # Every rank fails the same way on bad input; one copy of the message suffices.
         if os.environ.get("RANK", "0") == "0":
             print(f"plugtrain: error: {e}", file=sys.stderr)
         return 2

@@ -47,7 +47,7 @@ def lr_factor(step: int, cfg: LRSchedulerConfig, total_steps: int) -> float:
 def build_lr_scheduler(optimizer: Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LambdaLR:
     """A ``LambdaLR`` over :func:`lr_factor`; its ``last_epoch`` counts the steps taken.
 
-    NOTE: a vetoed step does not call ``scheduler.step()``, so the schedule follows the
+    A vetoed step does not call ``scheduler.step()``, so the schedule follows the
     optimizer steps that really happened, not the loop counter.
     """
 

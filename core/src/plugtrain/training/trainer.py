@@ -109,7 +109,7 @@ class Trainer:
         self.skipped_steps = 0
         self.metrics = MetricsLogger(config, enabled=self.world.is_main)
         self.timer = StepTimer(self.device)
-        # NOTE: only rank 0 logs metrics, so only it looks the peak up (and warns if unknown).
+        # Only rank 0 logs metrics, so only it looks the peak up (and warns if unknown).
         self.peak_tflops = (
             peak_tflops(self.device, config.metrics.peak_tflops) if self.world.is_main else None
         )
@@ -128,7 +128,7 @@ class Trainer:
             host=host,
         )
         self.checkpointer.load()
-        # NOTE: after the load, so that a refused resume leaves the run's records untouched.
+        # After the load, so that a refused resume leaves the run's records untouched.
         self.metrics.start(self.step)
         if self.world.is_main:
             write_run_records(config, host.report(), self.world.world_size, self.device)

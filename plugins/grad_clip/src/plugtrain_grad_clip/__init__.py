@@ -65,8 +65,6 @@ class GradClip:
 
     @hookimpl
     def post_backward(self, ctx: StepContext) -> None:
-        # NOTE: a plain implementation, never tryfirst: the "run first" slot belongs to loss
-        # scalers, which unscale there, so the gradients seen here are the true ones.
         params = [p for p in ctx.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
         # NOTE: FSDP2 keeps the sharded parameters, hence their gradients, in fp32 whatever
@@ -85,7 +83,7 @@ class GradClip:
     def pre_step(self, ctx: StepContext) -> str | None:
         if ctx.loss_scaler is not None:
             return None
-        # NOTE: the veto must be a Python value, so this reads the norm: one device sync per
+        # The veto must be a Python value, so this reads the norm: one device sync per
         # step (on CUDA the host waits for the backward to finish before queueing the optimizer
         # step). It is skipped when a loss scaler is enabled: non-finite gradients are then
         # the scaler's to handle (torch's GradScaler reads its own inf flag on the host). The

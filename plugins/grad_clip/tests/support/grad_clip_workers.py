@@ -102,7 +102,7 @@ def train_and_gather(dump_folder: str, args: list[str], steps: int) -> dict[str,
 def skip_nonfinite_on_every_rank(dump_folder: str) -> dict:
     """Poison step 2 on rank 1 only; record on each rank what the steps did.
 
-    NOTE: the max norm, whose per-rank parts are reduced only by ``full_tensor()`` (a Partial
+    The max norm, whose per-rank parts are reduced only by ``full_tensor()`` (a Partial
     placement), so that a rank-local norm would let rank 0 miss rank 1's inf.
     """
     ref: list[Trainer] = []

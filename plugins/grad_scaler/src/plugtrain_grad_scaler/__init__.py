@@ -77,7 +77,7 @@ class _StepGate:
     records that torch's ``GradScaler.step`` decided to step instead of stepping: the trainer
     calls ``optimizer.step()`` itself, and the LR scheduler with it, unless a plugin vetoes.
 
-    NOTE: this lets the plugin use torch's GradScaler's public methods only, in the canonical order.
+    This lets the plugin use torch's GradScaler's public methods only, in the canonical order.
     ``scaler.step(gate)`` runs exactly the non-fused path of ``scaler.step(optimizer)`` (the
     found_inf check, summed over devices, read with one ``.item()``) and leaves the recorded
     inf checks that ``update()`` asserts on. The alternative, reading the private
@@ -162,7 +162,6 @@ class GradScaler:
 
     @hookimpl(tryfirst=True)
     def post_backward(self) -> None:
-        # The core's "run first" slot: every plain post_backward sees unscaled gradients.
         self._active().unscale_(self._gate)  # type: ignore[arg-type]
 
     @hookimpl
@@ -170,7 +169,7 @@ class GradScaler:
         scaler, gate = self._active(), self._gate
         assert gate is not None
         gate.opened = False
-        # NOTE: the one host sync per step that float16 training needs: GradScaler.step reads
+        # The one host sync per step that float16 training needs: GradScaler.step reads
         # found_inf (already all-reduced over ranks in unscale_) with .item() to decide.
         scaler.step(gate)  # type: ignore[arg-type]
         if gate.opened:
@@ -196,7 +195,7 @@ class GradScaler:
     @hookimpl
     def state_dict(self) -> dict[str, Any]:
         state = self._active().state_dict()
-        # NOTE: only the state that evolves; the factors and interval come from the config, so
+        # Only the state that evolves; the factors and interval come from the config, so
         # a resumed run may change them. Plain tensors: saved without pickling.
         return {
             "scale": torch.tensor(state["scale"], dtype=torch.float32),

@@ -48,7 +48,7 @@ def poison(model: torch.nn.Module) -> None:
 class InjectInf:
     """Poisons a gradient on chosen steps (and ranks) before any plugin sees the gradients.
 
-    NOTE: a ``wrapper=True`` implementation's code before ``yield`` runs before every plain
+    A ``wrapper=True`` implementation's code before ``yield`` runs before every plain
     one, the "run first" (tryfirst) unscaling included, whatever the registration order.
     """
 
