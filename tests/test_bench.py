@@ -73,6 +73,17 @@ def test_hook_overhead(tmp_path):
     assert same["cpu"]["ratio"]["n"] == 3
 
 
+def assert_summary(summary: dict) -> None:
+    assert set(summary) == SUMMARY_FIELDS
+    assert 0 < summary["min"] <= summary["q1"] <= summary["median"] <= summary["q3"]
+    assert summary["q3"] <= summary["max"]
+
+
+def assert_difference(diff: dict, a: dict, b: dict) -> None:
+    for key in ("min", "median"):
+        assert diff[key] == pytest.approx(a[key] - b[key], rel=1e-9, abs=1e-9), key
+
+
 @pytest.mark.slow
 def test_dispatch(tmp_path):
     results = quick_results("dispatch", tmp_path)
@@ -81,15 +92,32 @@ def test_dispatch(tmp_path):
         (n, a) for n in (0, 2, 10) for a in (1, 4)
     ]
     for r in results["noop"]:
-        assert set(r["us_per_step"]) == SUMMARY_FIELDS
-        assert set(r["dispatch_us_per_step"]) == {"min", "median"}
-    active = {(r["dtype"], r["grad_accum_steps"]): r["active_plugins"] for r in results["shipped"]}
-    assert active[("bfloat16", 1)] == ["grad_clip"]
-    assert sorted(active[("float16", 4)]) == ["grad_clip", "grad_scaler"]
+        # pre_backward per microbatch, then post_backward, pre_step and post_step.
+        assert r["hook_calls_per_step"] == r["grad_accum_steps"] + 3
+        assert_summary(r["us_per_step"])
+        assert_summary(r["direct_call_us_per_step"])
+        assert_difference(r["dispatch_us_per_step"], r["us_per_step"], r["direct_call_us_per_step"])
+    shipped = {(r["dtype"], r["grad_accum_steps"]): r for r in results["shipped"]}
+    assert shipped[("bfloat16", 1)]["active_plugins"] == ["grad_clip"]
+    fp16 = shipped[("float16", 4)]
+    assert sorted(fp16["active_plugins"]) == ["grad_clip", "grad_scaler"]
+    assert fp16["hooks_implemented"]["grad_scaler"] == [
+        "config_section", "setup", "pre_backward", "post_backward", "pre_step", "post_step",
+        "step_metrics", "state_dict", "load_state_dict",
+    ]  # fmt: skip
     for r in results["shipped"]:
-        for key in ("dispatch_us_per_step", "plugin_python_us_per_step"):
-            assert set(r[key]) == {"min", "median"}
-        assert isinstance(r["target_met"], bool)
+        assert r["hooks_implemented"]["grad_clip"] == [
+            "config_section", "setup", "post_backward", "pre_step", "step_metrics",
+        ]  # fmt: skip
+        assert_difference(
+            r["dispatch_us_per_step"], r["stand_ins_us_per_step"], r["stand_ins_direct_us_per_step"]
+        )
+        assert_difference(
+            r["plugin_python_us_per_step"],
+            r["plugin_bodies_us_per_step"],
+            r["bare_torch_us_per_step"],
+        )
+        assert r["target_met"] == (r["dispatch_us_per_step"]["min"] < results["target_us"])
 
 
 @pytest.mark.slow

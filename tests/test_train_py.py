@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from conftest import read_metrics
+from plugtrain_grad_clip import GradClipConfig
+from plugtrain_grad_scaler import GradScalerConfig
+from plugtrain_hook_recorder import HookRecorderConfig
 from runs import run_train_py, tiny_args
+
+from plugtrain.config import JobConfig
 
 
 def test_short_run_writes_metrics_and_exits_zero(tmp_path):
@@ -32,8 +39,25 @@ def test_missing_data_file_is_one_line(tmp_path):
     assert "nope.jsonl" in line and "data.train_path" in line
 
 
-def test_help_lists_every_section(tmp_path):
-    result = run_train_py(["--help"])
-    assert result.returncode == 0
-    for section in ("[job]", "[model]", "[training]", "[optimizer]", "[plugins]"):
-        assert section in result.stdout
+def test_help_lists_every_section_and_field(tmp_path):
+    plugins = {
+        "grad_clip": GradClipConfig,
+        "grad_scaler": GradScalerConfig,
+        "hook_recorder": HookRecorderConfig,
+    }
+    result = run_train_py(["--plugins.enabled", ",".join(plugins), "--help"])
+    assert result.returncode == 0, result.stderr
+    sections = {
+        f.name: f.default_factory
+        for f in dataclasses.fields(JobConfig)
+        if f.name != "plugin_sections"
+    }
+    assert len(sections) == 10
+    help_lines = result.stdout.splitlines()
+    for section, cls in {**sections, **plugins}.items():
+        assert f"[{section}]" in help_lines, section
+        for field in dataclasses.fields(cls):
+            documented = [
+                line for line in help_lines if line.startswith(f"  --{section}.{field.name} (")
+            ]
+            assert len(documented) == 1, f"{section}.{field.name}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from plugtrain_template_plugin import (
@@ -13,7 +11,7 @@ from plugtrain_template_plugin import (
 
 from plugtrain.config import build_config
 from plugtrain.errors import ConfigError
-from plugtrain.plugin import gradients
+from plugtrain.plugin import StepContext, gradients
 
 
 def test_config_section_is_typed_and_checked():
@@ -31,6 +29,7 @@ def test_post_backward_multiplies_every_gradient():
     before = [g.clone() for g in gradients(model)]
     plugin = TemplatePlugin()
     plugin.config = TemplatePluginConfig(factor=0.5)
-    plugin.post_backward(SimpleNamespace(gradients=lambda: gradients(model)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plugin.post_backward(StepContext(1, 1, model, optimizer, tuple(model.parameters())))
     for grad, old in zip(gradients(model), before, strict=True):
         torch.testing.assert_close(grad, old * 0.5)
