@@ -47,6 +47,9 @@ SCOPE = re.compile(r"(?P<scope>[\w./-]+): ")
 
 AUTOSQUASH = ("fixup!", "squash!", "amend!")
 
+WORK_IN_PROGRESS = re.compile(r"[\[(]?wip\b", re.IGNORECASE)
+"""A work-in-progress subject in any spelling: ``WIP ...``, ``WIP: ...``, ``[WIP] ...``."""
+
 NULL_SHA = "0" * 40
 """The ``before`` of a push that created its branch: there is no range to check."""
 
@@ -105,14 +108,16 @@ def problems(message: str) -> list[str]:
     scope = SCOPE.match(subject)
     summary = subject[scope.end() :] if scope else subject.lstrip()
     first_word = summary.split()[0] if summary.split() else ""
-    if not scope and not subject[:1].isupper():
-        found.append("the subject starts with a lowercase letter (or add a 'scope: ' prefix)")
-    if first_word.lower() in NOT_IMPERATIVE:
-        found.append(
-            f"the subject starts with '{first_word}': use the imperative ('Add', 'Fix', 'Make')"
-        )
-    elif first_word.upper() == "WIP":
+    # Before the scope and case rules: "WIP: ..." would pass as a scope, and "[WIP] ..." would
+    # be reported as a lowercase subject, which misleads.
+    if WORK_IN_PROGRESS.match(subject.lstrip()) or WORK_IN_PROGRESS.match(first_word):
         found.append("a work-in-progress commit: finish it or squash it before submitting")
+    else:
+        if not scope and not subject[:1].isupper():
+            found.append("the subject starts with a lowercase letter (or add a 'scope: ' prefix)")
+        if first_word.lower() in NOT_IMPERATIVE:
+            hint = "use the imperative ('Add', 'Fix', 'Make')"
+            found.append(f"the subject starts with '{first_word}': {hint}")
     if len(lines) > 1 and lines[1].strip():
         found.append("the second line is not blank: separate the subject from the body")
     for trailer in GHSTACK_TRAILERS:

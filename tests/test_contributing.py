@@ -64,6 +64,7 @@ def commit(repo: Path, message: str, files: dict[str, str]) -> str:
         # What `ghstack land` makes: the suffix does not count towards the 72 characters.
         "A" * 72 + " (#12)" + f"\n\n{SOURCE_ID}\n{PULL_REQUEST}",
         "Embed the position in the rotary cache",  # "-ed" but imperative
+        "Wipe the cache between runs",  # starts with "wip", is not one
     ],
 )
 def test_good_messages_pass(message):
@@ -81,6 +82,10 @@ def test_good_messages_pass(message):
         ("Fixes the warmup", "the subject starts with 'Fixes': use the imperative"),
         ("grad_clip: adding a test", "the subject starts with 'adding': use the imperative"),
         ("WIP scaler", "a work-in-progress commit"),
+        ("WIP: scaler", "a work-in-progress commit"),  # not a scope named "WIP"
+        ("[WIP] scaler", "a work-in-progress commit"),  # not a lowercase subject
+        ("(wip) scaler", "a work-in-progress commit"),
+        ("grad_scaler: WIP skip steps", "a work-in-progress commit"),
         ("fixup! Add the plugin", "'fixup!' commit: squash it first"),
         ("Add the plugin\nClip the norm", "the second line is not blank"),
         (
@@ -92,6 +97,13 @@ def test_good_messages_pass(message):
 def test_bad_messages_are_named(message, problem):
     found = check_commit_msg.problems(message)
     assert any(p.startswith(problem) for p in found), found
+
+
+@pytest.mark.parametrize("subject", ["WIP: scaler", "[WIP] scaler", "wip scaler"])
+def test_a_work_in_progress_subject_gets_only_that_problem(subject):
+    assert check_commit_msg.problems(subject) == [
+        "a work-in-progress commit: finish it or squash it before submitting"
+    ]
 
 
 def test_checks_every_commit_of_a_range_and_names_the_bad_ones(tmp_path, capsys, monkeypatch):
