@@ -11,6 +11,20 @@ commit must pass the tests by itself, not only the top of the stack. For the com
 
 and stops at the first commit that fails, naming it. Your working tree is never touched.
 
+Two things keep a re-run cheap (``--no-cache`` turns the first off):
+
+- **Results are remembered.** A commit whose tree and pytest arguments already passed is not
+  run again: the passes are recorded under ``<git dir>/plugtrain-stack-check/``, keyed by the
+  tree hash, the arguments and the Python running the check. Amending the top commit re-runs
+  only it; amending a lower one re-runs it and those above it (their trees changed too).
+- **Each commit runs what it can affect.** A commit that changes files of one plugin only
+  (``plugins/<name>/``, plus its own ``-e ./plugins/<name>`` line in requirements-dev.txt)
+  runs that plugin's tests, the core's contract tests (:data:`CORE_CONTRACT_TESTS`) and every
+  test file that names the plugin. A commit that changes documentation only (``*.md``,
+  ``docs/``) runs only the test files that name a changed document (often none); its message
+  is still checked. Any other commit runs the whole selection. When you give paths, the
+  narrowed selection stays inside them. Each commit's line says why it runs what it runs.
+
 Usage, from anywhere in the repository::
 
     python scripts/stack_check.py                       # origin/main..HEAD
@@ -37,7 +51,9 @@ import argparse
 import contextlib
 import hashlib
 import importlib.metadata
+import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -56,6 +72,47 @@ from check_commit_msg import problems
 DEFAULT_BASE = "origin/main"
 DEFAULT_PYTEST_ARGS = ["-m", "not slow", "-q", "-x"]
 """The fast selection: every test not marked slow; stop at the first failure."""
+
+CORE_CONTRACT_TESTS = ("tests/test_hooks.py", "tests/test_manager.py", "tests/test_repository.py")
+"""What a plugin-only commit runs besides its plugin's tests: the hook contract, the plugin
+manager, and the repository's rules (plugin folders, requirements-dev.txt, ruff); fast."""
+
+CACHE_FOLDER = "plugtrain-stack-check"
+"""Under git's common dir (shared by every worktree of the clone): one file per passing run."""
+
+CACHE_VERSION = 1
+"""Part of every cache key: bump it when what a key stands for changes."""
+
+# pytest options whose value is the next argument: that argument is not a path.
+PYTEST_OPTIONS_WITH_VALUE = frozenset(
+    {
+        "-k",
+        "-m",
+        "-p",
+        "-c",
+        "-o",
+        "-W",
+        "-r",
+        "--tb",
+        "--deselect",
+        "--ignore",
+        "--ignore-glob",
+        "--rootdir",
+        "--basetemp",
+        "--confcutdir",
+        "--durations",
+        "--maxfail",
+        "--junitxml",
+        "--junit-xml",
+        "--log-level",
+        "--import-mode",
+        "--capture",
+        "--override-ini",
+        "--log-file",
+        "--cov",
+        "--cov-report",
+    }
+)
 
 PLUGIN_GROUP = "plugtrain.plugins"
 HOOK_MARKER = "installed by scripts/stack_check.py --install-hook"
@@ -250,6 +307,184 @@ class CommitFailed(Exception):
     """The commit under test cannot be installed: reported like a test failure."""
 
 
+def split_pytest_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """``args`` as (options with their values, paths): what pytest would collect from."""
+    options: list[str] = []
+    paths: list[str] = []
+    expects_value = only_paths = False
+    for arg in args:
+        if only_paths:
+            paths.append(arg)
+        elif expects_value:
+            options.append(arg)
+            expects_value = False
+        elif arg == "--":
+            only_paths = True
+        elif arg.startswith("-"):
+            options.append(arg)
+            expects_value = arg in PYTEST_OPTIONS_WITH_VALUE
+        else:
+            paths.append(arg)
+    return options, paths
+
+
+def path_of(node: str) -> str:
+    """The file or folder part of a pytest path or node id, normalised."""
+    return node.split("::")[0].removeprefix("./").rstrip("/")
+
+
+def is_within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder + "/")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one commit runs: pytest's arguments (``None``: no tests) and why."""
+
+    pytest_args: list[str] | None
+    reason: str
+
+
+def changed_files(repo: Path, sha: str) -> list[str]:
+    """The paths ``sha`` changes against its first parent (renames as delete + add)."""
+    out = git("diff", "--name-only", "--no-renames", "-z", f"{sha}^", sha, "--", cwd=repo)
+    return [name for name in out.split("\0") if name]
+
+
+def only_plugin(repo: Path, sha: str, files: list[str]) -> str | None:
+    """The plugin whose folder is all ``sha`` changes, counting its own requirements line."""
+    names = {f.split("/")[1] for f in files if f.startswith("plugins/") and f.count("/") >= 2}
+    if len(names) != 1:
+        return None
+    (name,) = names
+    others = [f for f in files if not f.startswith(f"plugins/{name}/")]
+    if not others:
+        return name
+    if others != ["requirements-dev.txt"]:
+        return None
+    # Adding (or removing) a plugin adds (or removes) its one line, nothing else.
+    diff = git("diff", "-U0", "--no-renames", f"{sha}^", sha, "--", others[0], cwd=repo)
+    own_line = re.compile(rf"-e \./plugins/{re.escape(name)}(\[[^\]]*\])?")
+    edits = [
+        line[1:].strip()
+        for line in diff.splitlines()
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    return name if all(own_line.fullmatch(edit) for edit in edits) else None
+
+
+def is_documentation(path: str) -> bool:
+    return path.endswith(".md") or path.startswith("docs/")
+
+
+def is_test_file(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py"))
+
+
+def tests_naming(repo: Path, sha: str, words: list[str]) -> list[str]:
+    """The test files of ``sha`` (under ``tests/`` and ``plugins/``) that name one of
+    ``words``, directly or through a helper module under ``tests/`` that names it."""
+
+    def files_naming(patterns: list[str]) -> list[str]:
+        args = [arg for word in patterns for arg in ("-e", word)]
+        result = subprocess.run(
+            ["git", "grep", "-l", "-w", "-F", *args, sha, "--", "tests", "plugins"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            env=commit_environment(repo),
+        )
+        if result.returncode not in (0, 1):  # 1: no match
+            raise StackCheckError(f"git grep: {result.stderr.strip()}")
+        return [line.split(":", 1)[1] for line in result.stdout.splitlines()]
+
+    found = files_naming(words)
+    helpers = [
+        f.rsplit("/", 1)[-1].removesuffix(".py")
+        for f in found
+        if f.startswith("tests/") and f.endswith(".py") and not is_test_file(f)
+    ]
+    if helpers:
+        found += files_naming(helpers)
+    return sorted({f for f in found if is_test_file(f)})
+
+
+def select_tests(repo: Path, sha: str, pytest_args: list[str]) -> Selection:
+    """What commit ``sha`` runs of ``pytest_args`` (module docstring), and why."""
+    files = changed_files(repo, sha)
+    options, given = split_pytest_args(pytest_args)
+    plugin = only_plugin(repo, sha, files)
+    if files and all(is_documentation(f) for f in files):
+        documents = sorted({f.rsplit("/", 1)[-1] for f in files})
+        selected = tests_naming(repo, sha, documents)
+        why = f"documentation only ({', '.join(documents)})"
+        if not selected:
+            return Selection(None, f"{why}: no test reads it, no tests to run")
+        why += ": the tests that name it"
+    elif plugin is not None:
+        tree = set(git("ls-tree", "-r", "--name-only", "-z", sha, cwd=repo).split("\0"))
+        own = f"plugins/{plugin}/tests"
+        contract = [t for t in CORE_CONTRACT_TESTS if t in tree]
+        selected = [own] if any(is_within(f, own) for f in tree) else []
+        selected += contract + tests_naming(repo, sha, [plugin, f"plugtrain_{plugin}"])
+        why = (
+            f"only plugins/{plugin}/ changed: its tests, the core's contract tests "
+            "and the tests that name it"
+        )
+    else:
+        shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        return Selection(pytest_args, f"whole selection: it changes {shown or 'nothing'}")
+    if given:
+        # Stay inside what was asked for: a selected path within a given one, or a given path
+        # within a selected one (the more specific of the two).
+        inside = [
+            s for s in selected for g in given if is_within(s, path_of(g)) and s != g.split("::")[0]
+        ]
+        inside += [g for g in given if any(is_within(path_of(g), s) for s in selected)]
+        selected = inside
+        if not selected:
+            return Selection(None, f"{why}: none of it in the given paths, no tests to run")
+    # Once each; a file inside a selected folder would be collected twice.
+    selected = list(dict.fromkeys(selected))
+    selected = [s for s in selected if not any(o != s and is_within(s, o) for o in selected)]
+    return Selection([*options, *selected], why)
+
+
+class ResultCache:
+    """Passing runs, one JSON file each, named by :func:`cache_key`; ``folder=None``: off."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+
+    def get(self, key: str) -> dict | None:
+        if self.folder is None:
+            return None
+        try:
+            return json.loads((self.folder / f"{key}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def put(self, key: str, record: dict) -> None:
+        if self.folder is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = self.folder / f"{key}.json.tmp"
+        partial.write_text(json.dumps(record, indent=1) + "\n")
+        partial.replace(self.folder / f"{key}.json")  # whole or absent, never half written
+
+
+def cache_key(tree: str, pytest_args: list[str]) -> str:
+    """Same tree, same arguments, same Python: the same result."""
+    what = [CACHE_VERSION, tree, pytest_args, sys.executable, sys.version]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()
+
+
+def cache_folder(repo: Path) -> Path:
+    common = git("rev-parse", "--path-format=absolute", "--git-common-dir", cwd=repo)
+    return Path(common) / CACHE_FOLDER
+
+
 @contextlib.contextmanager
 def temporary_worktree(repo: Path, where: Path, commit: str) -> Iterator[Path]:
     """A detached ``git worktree`` of ``commit`` at ``where``, removed afterwards."""
@@ -260,9 +495,12 @@ def temporary_worktree(repo: Path, where: Path, commit: str) -> Iterator[Path]:
         git("worktree", "remove", "--force", str(where), cwd=repo)
 
 
-def check_stack(repo: Path, base: str, top: str, pytest_args: list[str]) -> int:
+def check_stack(
+    repo: Path, base: str, top: str, pytest_args: list[str], *, use_cache: bool = True
+) -> int:
     """Check ``base..top`` as the module docstring says; print a report; return 0 if every
     commit passes, 1 otherwise."""
+    started_all = time.perf_counter()
     commits = stack_commits(repo, base, top)
     if not commits:
         print(f"stack check: no commits in {base}..{top}: nothing to check")
@@ -275,34 +513,70 @@ def check_stack(repo: Path, base: str, top: str, pytest_args: list[str]) -> int:
         print("stack check: FAILED: fix the messages (git rebase -i; see CONTRIBUTING.md)")
         return 1
 
-    command = ["python", "-m", "pytest", *pytest_args]
-    with tempfile.TemporaryDirectory(prefix="stack-check-") as tmp:
+    cache = ResultCache(cache_folder(repo) if use_cache else None)
+    counts = {"ran": 0, "remembered": 0, "no tests": 0}
+    with tempfile.TemporaryDirectory(prefix="stack-check-") as tmp, contextlib.ExitStack() as stack:
         run_env = commit_environment(repo)
-        env = Environment(Path(tmp) / "venv", run_env)
-        started = time.perf_counter()
-        env.create()
-        print(f"stack check: environment ready in {time.perf_counter() - started:.1f} s")
-        with temporary_worktree(repo, Path(tmp) / "tree", commits[0].sha) as tree:
-            for index, commit in enumerate(commits, 1):
-                label = f"[{index}/{len(commits)}] {commit}"
-                print(f"stack check: {label}: {shlex.join(command)}", flush=True)
-                git("checkout", "--detach", "--quiet", commit.sha, cwd=tree)
-                git("clean", "-fdxq", cwd=tree)
+        env: Environment | None = None
+        tree: Path | None = None
+        for index, commit in enumerate(commits, 1):
+            label = f"[{index}/{len(commits)}] {commit}"
+            selection = select_tests(repo, commit.sha, pytest_args)
+            if selection.pytest_args is None:
+                print(f"stack check: {label}: {selection.reason}", flush=True)
+                counts["no tests"] += 1
+                continue
+            command = ["python", "-m", "pytest", *selection.pytest_args]
+            key = cache_key(git("rev-parse", f"{commit.sha}^{{tree}}", cwd=repo), command[3:])
+            remembered = cache.get(key)
+            if remembered is not None:
+                print(
+                    f"stack check: {label}: passed before, not re-run (same tree and pytest "
+                    f"arguments as {remembered.get('commit', '?')[:10]}, "
+                    f"{remembered.get('seconds', 0):.1f} s then)",
+                    flush=True,
+                )
+                counts["remembered"] += 1
+                continue
+            print(f"stack check: {label}: {selection.reason}", flush=True)
+            print(f"stack check: {label}: {shlex.join(command)}", flush=True)
+            if env is None:  # only when a commit must run: a remembered stack costs nothing
                 started = time.perf_counter()
-                try:
-                    installed = env.sync(distributions_at(tree))
-                except CommitFailed as error:
-                    print(error)
-                    return failed(label, commit, "its distributions do not install")
-                install_s = time.perf_counter() - started
-                started = time.perf_counter()
-                result = subprocess.run([str(env.python), *command[1:]], cwd=tree, env=run_env)
-                test_s = time.perf_counter() - started
-                timing = f"installed {len(installed)} in {install_s:.1f} s, tests {test_s:.1f} s"
-                if result.returncode != 0:
-                    return failed(label, commit, f"tests failed ({timing})", command)
-                print(f"stack check: {label}: passed ({timing})", flush=True)
-    print(f"stack check: all {len(commits)} commits pass")
+                env = Environment(Path(tmp) / "venv", run_env)
+                env.create()
+                print(f"stack check: environment ready in {time.perf_counter() - started:.1f} s")
+                tree = stack.enter_context(temporary_worktree(repo, Path(tmp) / "tree", commit.sha))
+            assert tree is not None
+            git("checkout", "--detach", "--quiet", commit.sha, cwd=tree)
+            git("clean", "-fdxq", cwd=tree)
+            started = time.perf_counter()
+            try:
+                installed = env.sync(distributions_at(tree))
+            except CommitFailed as error:
+                print(error)
+                return failed(label, commit, "its distributions do not install")
+            install_s = time.perf_counter() - started
+            started = time.perf_counter()
+            result = subprocess.run([str(env.python), *command[1:]], cwd=tree, env=run_env)
+            test_s = time.perf_counter() - started
+            timing = f"installed {len(installed)} in {install_s:.1f} s, tests {test_s:.1f} s"
+            if result.returncode != 0:
+                return failed(label, commit, f"tests failed ({timing})", command)
+            counts["ran"] += 1
+            cache.put(
+                key,
+                {
+                    "commit": commit.sha,
+                    "subject": commit.subject,
+                    "pytest_args": command[3:],
+                    "seconds": round(test_s, 1),
+                    "checked_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                },
+            )
+            print(f"stack check: {label}: passed ({timing})", flush=True)
+    summary = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
+    elapsed = time.perf_counter() - started_all
+    print(f"stack check: all {len(commits)} commits pass ({summary}; {elapsed:.1f} s)")
     return 0
 
 
@@ -363,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--install-hook", action="store_true", help="install as the pre-ghstack git hook"
     )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="run every commit's tests, even those that passed before with the same tree",
+    )
     args = parser.parse_args(ours)
     pytest_args = DEFAULT_PYTEST_ARGS if pytest_args is None else pytest_args
     repo = Path.cwd()
@@ -372,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
             hook = install_hook(toplevel, pytest_args)
             print(f"stack check: installed {hook}: `ghstack submit` now runs the stack check")
             return 0
-        return check_stack(toplevel, args.base, args.top, pytest_args)
+        return check_stack(toplevel, args.base, args.top, pytest_args, use_cache=not args.no_cache)
     except StackCheckError as error:
         print(f"stack check: error: {error}", file=sys.stderr)
         return 2

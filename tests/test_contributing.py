@@ -328,6 +328,172 @@ def test_stack_check_stops_at_the_first_failing_commit(tmp_path, capsys):
     assert "[1/3]" not in out
 
 
+def value_test(value: str) -> str:
+    return textwrap.dedent(f"""
+        from pathlib import Path
+        def test_value():
+            assert Path("value.txt").read_text() == "{value}"
+    """)
+
+
+def runs(out: str) -> list[str]:
+    """The subjects of the commits the stack check ran pytest for, in order."""
+    return re.findall(r"\[\d+/\d+\] [0-9a-f]{10} '([^']*)': python -m pytest", out)
+
+
+@pytest.mark.slow
+def test_stack_check_remembers_passing_trees(tmp_path, capsys):
+    """An unchanged stack is not re-run; amending the top commit re-runs only it; a failure
+    is never remembered; --no-cache runs everything."""
+    repo = make_repo(tmp_path / "repo")
+    base = commit(repo, "Add the value test", {"value.txt": "1", "test_value.py": value_test("1")})
+    commit(repo, "Change the value", {"value.txt": "2", "test_value.py": value_test("2")})
+    commit(repo, "Add a second test", {"test_other.py": "def test_other():\n    pass\n"})
+    args = ["-q", "-p", "no:cacheprovider"]
+
+    assert stack_check.check_stack(repo, base, "HEAD", args) == 0
+    assert runs(capsys.readouterr().out) == ["Change the value", "Add a second test"]
+    assert len(list((repo / ".git" / "plugtrain-stack-check").glob("*.json"))) == 2
+    assert stack_check.check_stack(repo, base, "HEAD", args) == 0
+    out = capsys.readouterr().out
+    assert runs(out) == []
+    assert out.count("passed before, not re-run") == 2
+    assert "environment ready" not in out  # nothing to run: not even the environment
+
+    commit(repo, "Add a second test", {"test_other.py": "def test_other():\n    assert 1\n"})
+    git(repo, "reset", "-q", "--soft", "HEAD~1")
+    git(repo, "commit", "-q", "--amend", "--no-edit")  # amend the top commit
+    assert stack_check.check_stack(repo, base, "HEAD", args) == 0
+    assert runs(capsys.readouterr().out) == ["Add a second test"]
+
+    assert stack_check.check_stack(repo, base, "HEAD", ["-q", "-k", "value"]) == 0
+    assert runs(capsys.readouterr().out) == ["Change the value", "Add a second test"]  # new args
+
+    commit(repo, "Break the value", {"value.txt": "3"})
+    for _ in range(2):  # a failure is not remembered
+        assert stack_check.check_stack(repo, base, "HEAD", args) == 1
+        assert runs(capsys.readouterr().out) == ["Break the value"]
+    assert stack_check.check_stack(repo, base, "HEAD~1", args, use_cache=False) == 0
+    assert runs(capsys.readouterr().out) == ["Change the value", "Add a second test"]
+
+
+@pytest.fixture
+def plugin_repo(tmp_path) -> Path:
+    """A repository shaped like this one: a core, two plugins, tests, documentation."""
+    repo = make_repo(tmp_path / "repo")
+    commit(
+        repo,
+        "Import",
+        {
+            "core/src/plugtrain/__init__.py": "",
+            "plugins/alpha/src/plugtrain_alpha/__init__.py": "",
+            "plugins/alpha/tests/test_alpha.py": "",
+            "plugins/beta/src/plugtrain_beta/__init__.py": "",
+            "plugins/beta/tests/test_beta.py": "import plugtrain_alpha\n",
+            "tests/test_hooks.py": "",
+            "tests/test_manager.py": "",
+            "tests/workers.py": "PLUGINS = ['alpha']\n",  # a helper module, not a test file
+            "tests/test_distributed.py": "import workers\n",
+            "tests/test_trainer.py": "",
+            "tests/test_readme.py": "README = 'README.md'\n",
+            "README.md": "# toy\n",
+            "docs/guide.md": "guide\n",
+            "requirements-dev.txt": "-e ./core\n-e ./plugins/alpha\n-e ./plugins/beta\n",
+        },
+    )
+    return repo
+
+
+def selection_after(repo: Path, files: dict[str, str], args: list[str] | None = None):
+    commit(repo, "Change", files)
+    args = ["-m", "not slow", "-q"] if args is None else args
+    return stack_check.select_tests(repo, git(repo, "rev-parse", "HEAD"), args)
+
+
+def test_stack_check_runs_a_plugin_commit_against_its_tests_and_the_contract(plugin_repo):
+    selection = selection_after(plugin_repo, {"plugins/alpha/src/plugtrain_alpha/x.py": ""})
+    assert selection.pytest_args == [
+        "-m", "not slow", "-q",
+        "plugins/alpha/tests",  # its own tests
+        "tests/test_hooks.py", "tests/test_manager.py",  # the contract (test_repository absent)
+        "plugins/beta/tests/test_beta.py",  # names plugtrain_alpha
+        "tests/test_distributed.py",  # through tests/workers.py, which names alpha
+    ]  # fmt: skip
+    assert selection.reason.startswith("only plugins/alpha/ changed")
+    # Explicit paths: the narrowed selection stays inside them.
+    selection = selection_after(plugin_repo, {"plugins/alpha/x.txt": ""}, ["plugins", "-x"])
+    assert selection.pytest_args == ["-x", "plugins/alpha/tests", "plugins/beta/tests/test_beta.py"]
+    node = "tests/test_hooks.py::test_one"
+    selection = selection_after(plugin_repo, {"plugins/alpha/x.txt": "1"}, [node, "-k", "tests"])
+    assert selection.pytest_args == ["-k", "tests", node]
+    selection = selection_after(
+        plugin_repo, {"plugins/alpha/x.txt": "2"}, ["tests/test_trainer.py"]
+    )
+    assert selection.pytest_args is None
+    assert "none of it in the given paths" in selection.reason
+
+
+def test_stack_check_treats_a_new_plugin_with_its_requirements_line_as_plugin_only(plugin_repo):
+    requirements = "-e ./core\n-e ./plugins/alpha\n-e ./plugins/beta\n-e ./plugins/gamma\n"
+    selection = selection_after(
+        plugin_repo,
+        {"plugins/gamma/tests/test_gamma.py": "", "requirements-dev.txt": requirements},
+    )
+    assert selection.pytest_args == [
+        "-m", "not slow", "-q", "plugins/gamma/tests", "tests/test_hooks.py",
+        "tests/test_manager.py",
+    ]  # fmt: skip
+    # Any other requirements change can affect everything.
+    selection = selection_after(
+        plugin_repo,
+        {"plugins/gamma/x.txt": "", "requirements-dev.txt": "torch==2.13.0\n" + requirements},
+    )
+    assert selection.pytest_args == ["-m", "not slow", "-q"]
+    assert selection.reason == (
+        "whole selection: it changes plugins/gamma/x.txt, requirements-dev.txt"
+    )
+
+
+def test_stack_check_runs_no_tests_for_documentation_nobody_tests(plugin_repo):
+    selection = selection_after(plugin_repo, {"docs/guide.md": "new", "plugins/beta/README.md": ""})
+    assert selection.pytest_args == ["-m", "not slow", "-q", "tests/test_readme.py"]  # README.md
+    selection = selection_after(plugin_repo, {"docs/guide.md": "newer"})
+    assert selection.pytest_args is None
+    assert selection.reason == "documentation only (guide.md): no test reads it, no tests to run"
+    for changed in (
+        {"core/src/plugtrain/hooks.py": ""},
+        {"plugins/alpha/a": "", "plugins/beta/b": ""},
+    ):
+        selection = selection_after(plugin_repo, changed)
+        assert selection.pytest_args == ["-m", "not slow", "-q"]
+        assert selection.reason.startswith("whole selection: it changes ")
+
+
+def test_stack_check_prints_why_and_still_checks_messages_of_untested_commits(plugin_repo, capsys):
+    base = git(plugin_repo, "rev-parse", "HEAD")
+    commit(plugin_repo, "Reword the guide", {"docs/guide.md": "reworded"})
+    assert stack_check.check_stack(plugin_repo, base, "HEAD", ["-q"]) == 0
+    out = capsys.readouterr().out
+    assert "no test reads it, no tests to run" in out and "all 1 commits pass (1 no tests" in out
+    commit(plugin_repo, "Updated the guide", {"docs/guide.md": "again"})
+    assert stack_check.check_stack(plugin_repo, base, "HEAD", ["-q"]) == 1
+    assert "the subject starts with 'Updated'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "options", "paths"),
+    [
+        (["-m", "not slow", "-q", "-x"], ["-m", "not slow", "-q", "-x"], []),
+        (["plugins", "-k", "toy or x", "tests/a.py::t"],
+         ["-k", "toy or x"], ["plugins", "tests/a.py::t"]),
+        (["--tb=short", "-p", "no:cacheprovider", "--", "-odd"],
+         ["--tb=short", "-p", "no:cacheprovider"], ["-odd"]),
+    ],
+)  # fmt: skip
+def test_pytest_arguments_are_split_into_options_and_paths(args, options, paths):
+    assert stack_check.split_pytest_args(args) == (options, paths)
+
+
 # -- CI workflow, CONTRIBUTING.md, requirements --------------------------------------------
 
 
