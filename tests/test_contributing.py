@@ -531,6 +531,8 @@ def test_contributing_covers_the_workflow(repo):
         "ghstack checkout",
         "ghstack land https://",
         "ghstack unlink",
+        "git branch later",  # unready work waits on a branch (test_ghstack_workflow.py)
+        "ghstack unlink HEAD",  # the way out of `ghstack submit HEAD~1`
         "Merge button",
         "~/.ghstackrc",
         "python scripts/stack_check.py --install-hook",

@@ -22,6 +22,7 @@ import ghstack.github_fake  # needs graphql-core (see requirements-dev.txt)
 import ghstack.land
 import ghstack.shell
 import ghstack.submit
+import ghstack.unlink
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,8 +165,9 @@ class FakeGitHub:
         state = self.endpoint.state
         self.repository.defaultBranchRef = await self.repository._make_ref_async(state, "main")
 
-    def submit(self, clone: Path, username: str) -> list[str]:
-        """``ghstack submit`` in ``clone``; the URLs of its pull requests, bottom first."""
+    def submit(self, clone: Path, username: str, *revs: str) -> list[str]:
+        """``ghstack submit [REV...]`` in ``clone``; the URLs of its pull requests, bottom
+        first."""
         diffs = asyncio.run(
             ghstack.submit.main(
                 msg="Update",
@@ -177,6 +179,7 @@ class FakeGitHub:
                 github_url="github.com",
                 remote_name="origin",
                 direct_opt=False,
+                revs=list(revs),
             )
         )
         return [diff.pr_url for diff in diffs]
@@ -331,3 +334,118 @@ def test_stacks_are_checked_submitted_and_landed(tmp_path, offline, capsys):
         assert "post_backward" in rows[name], listing  # imported through its entry point
     # Exactly main's plugins: none leaks in from the Python running this test.
     assert set(rows) - {"plugin"} == {folder.name for folder in (landed / "plugins").iterdir()}
+
+
+RECORDING_HOOK = """#!/bin/sh
+# What the pre-ghstack hook was asked to check: the subjects in <base>..<top>.
+git log --reverse --format=%s "$1..$2" | tr '\\n' '|' >> "$(git rev-parse --git-dir)/checked"
+echo >> "$(git rev-parse --git-dir)/checked"
+"""
+
+
+def hooked_clone(origin: Path, folder: Path) -> Path:
+    """A clone on branch ``stack`` whose pre-ghstack hook records what it is asked to check."""
+    git(folder.parent, "clone", "-q", str(origin), folder.name)
+    git(folder, "checkout", "-q", "-b", "stack")
+    hook = folder / ".git" / "hooks" / "pre-ghstack"
+    hook.write_text(RECORDING_HOOK)
+    hook.chmod(0o755)
+    return folder
+
+
+def checked(clone: Path) -> list[str]:
+    """Each hook run: the subjects it checked, joined by '|'."""
+    record = clone / ".git" / "checked"
+    lines = record.read_text().splitlines() if record.exists() else []
+    record.unlink(missing_ok=True)
+    return [line.rstrip("|") for line in lines]
+
+
+def commit_file(clone: Path, name: str) -> None:
+    (clone / name).write_text(name)
+    git(clone, "add", name)
+    git(clone, "commit", "-q", "-m", f"Add {name}")
+
+
+def unlink(github: FakeGitHub, clone: Path, commits: list[str]) -> None:
+    """``ghstack unlink COMMIT...`` in ``clone``."""
+    asyncio.run(
+        ghstack.unlink.main(
+            commits=commits,
+            github=github.endpoint,
+            sh=ghstack.shell.Shell(cwd=str(clone)),
+            repo_owner=OWNER,
+            repo_name=NAME,
+            github_url="github.com",
+            remote_name="origin",
+        )
+    )
+
+
+@pytest.mark.slow
+def test_unready_work_waits_on_another_branch(tmp_path, offline):
+    """CONTRIBUTING.md's flow for holding back unready work, and why not `ghstack submit
+    HEAD~1`: in ghstack 0.18 that opens a pull request for the held-back commit anyway,
+    unchecked by the hook and without its orig branch, and the next submit fails."""
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "README.md").write_text("# toy\n")
+    git(seed, "init", "-q")
+    git(seed, "add", "-A")
+    git(seed, "commit", "-q", "-m", "Import")
+    origin = tmp_path / "origin.git"
+    git(tmp_path, "init", "-q", "--bare", str(origin))
+    git(seed, "push", "-q", str(origin), "main")
+    github = FakeGitHub(origin)
+
+    # The recommended flow: park the unready commit on a branch, submit the rest.
+    alice = hooked_clone(origin, tmp_path / "alice")
+    commit_file(alice, "ready")
+    commit_file(alice, "unready")
+    git(alice, "branch", "later")
+    git(alice, "reset", "-q", "--hard", "HEAD~1")
+    assert github.submit(alice, "alice") == [f"https://github.com/{OWNER}/{NAME}/pull/1"]
+    assert checked(alice) == ["Add ready"]
+    assert set(github.closed()) == {1}
+    # Later: put the unready work back on top of the submitted commit (which now has
+    # ghstack's trailers; the rebase drops the old copy) and submit the whole stack.
+    git(alice, "checkout", "-q", "later")
+    git(alice, "rebase", "-q", "stack")
+    stack = git(alice, "log", "--reverse", "--format=%s%n%b%x00", "origin/main..HEAD")
+    ready, unready = (entry.strip() for entry in stack.split("\0") if entry.strip())
+    assert ready.startswith("Add ready") and ready.endswith("/pull/1")
+    assert unready == "Add unready"
+    urls = github.submit(alice, "alice")
+    assert urls == [f"https://github.com/{OWNER}/{NAME}/pull/{n}" for n in (1, 2)]
+    assert checked(alice) == ["Add ready|Add unready"]
+    assert github.submit(alice, "alice") == urls  # and again: nothing is missing
+    for n in (1, 2):
+        assert f"refs/heads/gh/alice/{n}/orig" in github.refs()
+
+    # The broken advice: `ghstack submit HEAD~1` (ghstack 0.18).
+    bob = hooked_clone(origin, tmp_path / "bob")
+    commit_file(bob, "ready2")
+    commit_file(bob, "unready2")
+    pulls = github.endpoint.state.pull_requests
+    assert github.submit(bob, "bob", "HEAD~1") == [f"https://github.com/{OWNER}/{NAME}/pull/3"]
+    assert checked(bob) == ["Add ready2"]  # the hook never saw the held-back commit...
+    assert {pr.number: pr.title for pr in pulls.values()}[4] == "Add unready2"  # ...yet a PR
+    assert "gh/bob/2/head" in github.refs() and "gh/bob/2/orig" not in github.refs()
+    with pytest.raises(RuntimeError, match=r"rev-list .*origin/gh/bob/2/orig failed"):
+        github.submit(bob, "bob")
+
+    # Recovery: close the stray pull request (on GitHub), unlink the held-back commit, park it
+    # on a branch; the stack submits again, and the unready commit later gets a new PR.
+    next(pr for pr in pulls.values() if pr.number == 4).closed = True
+    unlink(github, bob, ["HEAD"])
+    assert "Pull-Request:" not in git(bob, "log", "-1", "--format=%B")
+    git(bob, "branch", "later")
+    git(bob, "reset", "-q", "--hard", "HEAD~1")
+    assert github.submit(bob, "bob") == [f"https://github.com/{OWNER}/{NAME}/pull/3"]
+    git(bob, "checkout", "-q", "later")
+    git(bob, "rebase", "-q", "stack")
+    urls = github.submit(bob, "bob")
+    assert urls == [f"https://github.com/{OWNER}/{NAME}/pull/{n}" for n in (3, 5)]
+    # <N> in gh/<user>/<N>/... is ghstack's per-user counter, not the pull request's number.
+    assert "refs/heads/gh/bob/3/orig" in github.refs()
+    assert "gh/bob/5" not in github.refs()
