@@ -533,6 +533,13 @@ def test_contributing_covers_the_workflow(repo):
         "ghstack unlink",
         "git branch later",  # unready work waits on a branch (test_ghstack_workflow.py)
         "ghstack unlink HEAD",  # the way out of `ghstack submit HEAD~1`
+        # ghstack 0.18 facts that surprise (read in its source, see the commit adding them)
+        "per-user",
+        "the variable is ignored",
+        "git stash",
+        "pushes straight to `main`",
+        "allows force pushes",
+        "does not fetch",
         "Merge button",
         "~/.ghstackrc",
         "python scripts/stack_check.py --install-hook",
