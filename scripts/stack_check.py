@@ -451,6 +451,23 @@ def select_tests(repo: Path, sha: str, pytest_args: list[str]) -> Selection:
     return Selection([*options, *selected], why)
 
 
+def missing_paths(repo: Path, sha: str, pytest_args: list[str]) -> list[str]:
+    """The paths among ``pytest_args`` that commit ``sha`` lacks (none with ``--pyargs``)."""
+    options, paths = split_pytest_args(pytest_args)
+    if "--pyargs" in options:
+        return []
+    missing = []
+    for path in paths:
+        name = path_of(path)
+        if name in ("", ".") or Path(name).is_absolute():
+            continue
+        try:
+            git("cat-file", "-e", f"{sha}:{name}", cwd=repo)
+        except StackCheckError:
+            missing.append(path)
+    return missing
+
+
 class ResultCache:
     """Passing runs, one JSON file each, named by :func:`cache_key`; ``folder=None``: off."""
 
@@ -527,6 +544,16 @@ def check_stack(
                 counts["no tests"] += 1
                 continue
             command = ["python", "-m", "pytest", *selection.pytest_args]
+            missing = missing_paths(repo, commit.sha, selection.pytest_args)
+            if missing:
+                # pytest would say only "file or directory not found" among its output, and
+                # the check would call it a test failure.
+                return failed(
+                    label,
+                    commit,
+                    f"no such path in this commit: {', '.join(missing)} (a pytest path given "
+                    "to the check or to --install-hook; choose one this commit has)",
+                )
             key = cache_key(git("rev-parse", f"{commit.sha}^{{tree}}", cwd=repo), command[3:])
             remembered = cache.get(key)
             if remembered is not None:

@@ -480,6 +480,20 @@ def test_stack_check_prints_why_and_still_checks_messages_of_untested_commits(pl
     assert "the subject starts with 'Updated'" in capsys.readouterr().out
 
 
+def test_stack_check_names_a_pytest_path_the_commit_lacks(tmp_path, capsys):
+    repo = make_repo(tmp_path / "repo")
+    base = commit(repo, "Add a", {"a": "a"})
+    sha = commit(repo, "Add the value test", {"tests/test_value.py": value_test("1")})
+    args = ["-q", "tests/test_value.py::test_value", "plugins/grad_clip", "-k", "not_a_path"]
+    assert stack_check.check_stack(repo, base, "HEAD", args) == 1
+    out = capsys.readouterr().out
+    assert (
+        f"FAILED at [1/1] {sha[:10]} 'Add the value test': no such path in this commit: "
+        "plugins/grad_clip (a pytest path given to the check or to --install-hook"
+    ) in out
+    assert "tests failed" not in out and "environment ready" not in out
+
+
 @pytest.mark.parametrize(
     ("args", "options", "paths"),
     [
