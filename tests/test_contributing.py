@@ -554,6 +554,10 @@ def test_contributing_covers_the_workflow(repo):
         "pushes straight to `main`",
         "allows force pushes",
         "does not fetch",
+        # the stack check's memory and narrowing, with the measured saving
+        ".git/plugtrain-stack-check/",
+        "--no-cache",
+        "python scripts/stack_check.py HEAD~2 HEAD --",
         "Merge button",
         "~/.ghstackrc",
         "python scripts/stack_check.py --install-hook",
