@@ -60,4 +60,19 @@ def run_train_py(
             *torchrun_args, str(REPO / "train.py"), *args,
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun passes it on to its workers (SIGKILL would leave them
+            # running, or hanging, on a machine other tests share), and kills them 30 s later.
+            proc.terminate()
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
