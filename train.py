@@ -23,9 +23,13 @@ def main() -> None:
     trainer = Trainer(config, host)
     try:
         trainer.train()
-    finally:
         trainer.close()
-        destroy_world()
+    except BaseException:
+        # No collective (no barrier) on the way out: the other ranks may be blocked in one
+        # that this rank will never join. run_cli reports the error and exits.
+        trainer.abort()
+        raise
+    destroy_world()
 
 
 if __name__ == "__main__":

@@ -117,8 +117,9 @@ class CheckpointManager:
     counters) and the plugin host (each plugin's ``state_dict`` hook).
 
     The trainer calls :meth:`load` once, after plugin setup; :meth:`after_step` after every
-    optimizer step (it saves when due and says whether to stop); :meth:`close` at the end. With
-    ``checkpoint.enable`` off, each is a no-op. Every method is collective: all ranks call it.
+    optimizer step (it saves when due and says whether to stop); :meth:`close` at the end, or
+    :meth:`abort` after an error. With ``checkpoint.enable`` off, each is a no-op. Every method
+    but :meth:`abort` is collective: all ranks call it.
     """
 
     def __init__(
@@ -270,18 +271,25 @@ class CheckpointManager:
             pending.result()
 
     def close(self) -> None:
-        """Finish any save in flight and give the SIGTERM handler back."""
+        """Finish any save in flight (collective) and give the SIGTERM handler back."""
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown()
-                self._executor = None
-            if self._sigterm_installed:
-                # signal.signal returns None for a handler not set from Python.
-                previous = self._previous_sigterm
-                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-                self._sigterm_installed = False
+            self.abort()
+
+    def abort(self) -> None:
+        """After an error: abandon a save in flight without waiting for it (its collectives
+        may wait for a rank that failed; it stays ``.partial``, never loaded) and give the
+        SIGTERM handler back (idempotent)."""
+        self._pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        if self._sigterm_installed:
+            # signal.signal returns None for a handler not set from Python.
+            previous = self._previous_sigterm
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            self._sigterm_installed = False
 
     def _vote(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is True on any (SIGTERM may reach only some)."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
+
+import torch.distributed as dist
 
 from plugtrain.config import (
     JobConfig,
@@ -36,11 +39,30 @@ def configure(argv: list[str]) -> tuple[JobConfig, PluginHost] | None:
 
 
 def run_cli(main: Callable[[], int | None]) -> int:
-    """Run ``main``; a :class:`UserError` becomes one line on stderr and exit status 2."""
+    """Run ``main`` and return its exit status; report on stderr how it failed.
+
+    A :class:`UserError` is one line and status 2; any other error its traceback and 1. In a
+    job of several processes, a failed process ends at once (``os._exit``), running no
+    collective and waiting for no thread: the other ranks may be blocked in a collective it
+    will never join, and so may its own background threads (an async checkpoint save). Its
+    exit lets torchrun tear the group down.
+    """
     try:
         return main() or 0
     except UserError as e:
-        # Every rank fails the same way on bad input; one copy of the message suffices.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"plugtrain: error: {e}", file=sys.stderr)
-        return 2
+        code, message = 2, f"error: {e}"
+    except Exception:
+        code, message = 1, ""
+        traceback.print_exc()
+    rank = int(os.environ.get("RANK", "0"))
+    in_group = dist.is_initialized() and dist.get_world_size() > 1
+    # Bad input fails every rank alike before the group is up: rank 0's copy suffices. Once it
+    # is up, a failure may be one rank's own, and that rank must say so.
+    if message and (rank == 0 or in_group):
+        prefix = f"[rank {rank}] " if rank else ""
+        print(f"{prefix}plugtrain: {message}", file=sys.stderr)
+    if in_group:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -280,8 +280,18 @@ class Trainer:
         return (total[0] / total[1]).item()
 
     def close(self) -> None:
-        """Finish saving, flush the run's files (the process group is left to the launcher)."""
-        self.checkpointer.close()
+        """End the run: finish a save in flight (collective), then as :meth:`abort`. The
+        process group is left to the launcher."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """End the run after an error without a collective, since a failed rank may never join
+        one: abandon a save in flight, close the run's files (metrics, hook trace), give the
+        signal handlers back (idempotent)."""
+        self.checkpointer.abort()
         if self.tracer is not None:
             self.tracer.close()
             self.tracer = None
