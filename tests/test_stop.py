@@ -1,15 +1,24 @@
-"""How a run ends early: a failure on one rank of several."""
+"""How a run ends early: Ctrl-C (SIGINT) once or twice, and a failure on one rank of several."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
 
+import checkpoint_workers as cw
 import pytest
+import torch.distributed.checkpoint as dcp
 from conftest import read_metrics
-from runs import run_train_py, tiny_args
+from runs import REPO, run_train_py, tiny_args
+
+from plugtrain.checkpoint.manager import complete_checkpoints
+
+CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "10000")
 
 PLUGIN = '''
 """A test plugin for train.py subprocesses, driven by environment variables."""
@@ -59,6 +68,84 @@ def raiser(tmp_path) -> dict[str, str]:
     )
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     return {"PYTHONPATH": path}
+
+
+def start_and_interrupt(
+    args: list[str], env: dict[str, str], gaps: tuple[float, ...]
+) -> tuple[int, str]:
+    """Start train.py; once it logged step 3, send it SIGINT after each of ``gaps`` seconds;
+    return its exit status and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *args],
+        stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env},
+    )  # fmt: skip
+    assert proc.stderr is not None
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "step     3 |" in line:
+                for gap in gaps:
+                    time.sleep(gap)
+                    proc.send_signal(signal.SIGINT)
+                break
+        lines += proc.stderr.readlines()
+        return proc.wait(timeout=60), "".join(lines)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints", "no-checkpoints"])
+def test_ctrl_c_stops_after_the_step_saves_and_exits_zero(tmp_path, raiser, checkpoints):
+    extra = [*CKPT] if checkpoints else []
+    # A slow step (0.3 s), so that the signal lands mid-run however busy the machine.
+    env = {**raiser, "RAISER_SLEEP": "0.3"}
+    args = [*tiny_args(tmp_path, steps=10_000), "--plugins.enabled", "raiser", *extra]
+    status, stderr = start_and_interrupt(args, env, gaps=(0,))
+    assert status == 0, stderr
+    last = read_metrics(tmp_path)[-1]["step"]  # flushed, up to the step it stopped after
+    assert 3 <= last < 10_000
+    assert f"stopped after step {last} on SIGINT; " in stderr
+    assert "Traceback" not in stderr
+    saved = list(complete_checkpoints(tmp_path / "checkpoints"))
+    if checkpoints:
+        assert saved == [last]
+        assert "run the same command to resume" in stderr
+    else:
+        assert saved == []
+        assert "checkpoint.enable is off" in stderr
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, raiser):
+    env = {**raiser, "RAISER_SLEEP": "2"}
+    args = [*tiny_args(tmp_path, steps=10_000), "--plugins.enabled", "raiser", *CKPT]
+    start = time.monotonic()
+    # Both in step 4, which sleeps 2 s: the first alone would save after it.
+    status, stderr = start_and_interrupt(args, env, gaps=(0.5, 0.2))
+    assert status == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.rstrip().endswith(
+        "plugtrain: interrupted (KeyboardInterrupt): stopped at once, without saving"
+    )
+    assert list(complete_checkpoints(tmp_path / "checkpoints")) == []
+    assert time.monotonic() - start < 30
+
+
+def test_a_second_ctrl_c_during_a_save_is_a_keyboard_interrupt(tmp_path, monkeypatch):
+    # DCP turns any exception while writing, KeyboardInterrupt too, into a CheckpointException:
+    # the second Ctrl-C would end in its traceback, and status 1.
+    trainer = cw.build(tmp_path, *CKPT)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.checkpointer.save(1)
+    trainer.abort()
+    assert list(complete_checkpoints(tmp_path / "checkpoints")) == []
 
 
 def fail_on_rank_1(tmp_path: Path, raiser: dict[str, str], kind: str, **kw) -> tuple:

@@ -180,7 +180,8 @@ class CheckpointConfig:
     """Save checkpoints to ``<job.dump_folder>/checkpoints/step-<N>/`` and resume from them: a
     run started again with the same dump folder continues where the last complete one left off."""
     interval: int = 500
-    """Save every this many steps; a run also saves at its last step and when it gets SIGTERM."""
+    """Save every this many steps; a run also saves at its last step and when it stops on
+    SIGTERM or SIGINT."""
     keep_latest_k: int = 3
     """Keep the newest this many complete checkpoints, deleting older ones after each save; 0
     keeps every one."""

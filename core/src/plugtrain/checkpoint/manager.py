@@ -27,14 +27,13 @@ not have start afresh.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
-import signal
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -105,11 +104,23 @@ def _folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """Let a KeyboardInterrupt (a second Ctrl-C) out of DCP, which wraps it into an error."""
+    try:
+        yield
+    except dcp.CheckpointException as e:
+        if any(isinstance(exc, KeyboardInterrupt) for exc, _ in e.failures.values()):
+            raise KeyboardInterrupt from None
+        raise
+
+
 # --------------------------------------------------------------------------- the manager
 
 
 class CheckpointManager:
-    """Restores a run at start-up and saves it on schedule, on SIGTERM and at the end.
+    """Restores a run at start-up and saves it on schedule, when the run stops early, and at
+    the end.
 
     It is given the pieces it saves, never the trainer: the model and optimizer (saved through
     DCP's ``get_state_dict``, sharded), ``states`` (objects with ``state_dict`` and
@@ -117,9 +128,9 @@ class CheckpointManager:
     counters) and the plugin host (each plugin's ``state_dict`` hook).
 
     The trainer calls :meth:`load` once, after plugin setup; :meth:`after_step` after every
-    optimizer step (it saves when due and says whether to stop); :meth:`close` at the end, or
-    :meth:`abort` after an error. With ``checkpoint.enable`` off, each is a no-op. Every method
-    but :meth:`abort` is collective: all ranks call it.
+    optimizer step (it saves when due); :meth:`close` at the end, or :meth:`abort` after an
+    error. With ``checkpoint.enable`` off, each is a no-op. Every method but :meth:`abort` is
+    collective: all ranks call it.
     """
 
     def __init__(
@@ -140,19 +151,16 @@ class CheckpointManager:
         self.model, self.optimizer = model, optimizer
         self.states = dict(states)
         self.host = host
-        self._stop_requested = False
         self._pending: Future[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._control_group: dist.ProcessGroup | None = None
         self._async_group: dist.ProcessGroup | None = None
-        self._previous_sigterm: Callable | int | None = None
-        self._sigterm_installed = False
         self._faults = Fault.from_env(self.world.rank)
         if not self.config.enable:
             return
         if self.world.world_size > 1:
-            # A CPU (gloo) group for the per-step stop vote and the save barriers, whatever
-            # the training backend: a few bytes over TCP, no device synchronisation.
+            # A CPU (gloo) group for the save barriers, whatever the training backend: a few
+            # bytes over TCP, no device synchronisation.
             self._control_group = dist.new_group(backend="gloo")
         if self.config.async_mode == "async":
             # The background save runs DCP's collectives; on a group of their own they
@@ -160,26 +168,17 @@ class CheckpointManager:
             self._async_group = dist.new_group(backend="gloo")
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="plugtrain-checkpoint")
 
-    def _on_sigterm(self, signum: int, frame: object) -> None:
-        # Only a flag: the step in progress finishes, then after_step saves and stops.
-        self._stop_requested = True
-
     # ----------------------------------------------------------------------- saving
 
-    def after_step(self, step: int) -> bool:
-        """Save if ``step``, just taken, is due (every ``checkpoint.interval`` steps, the last
-        step, or any rank got SIGTERM); return True when the run must stop (SIGTERM)."""
+    def after_step(self, step: int, stop: bool) -> None:
+        """Save if ``step``, just taken, is due: every ``checkpoint.interval`` steps, the last
+        step, or the run stops after it (``stop``: a signal, see ``training/stop.py``)."""
         if not self.config.enable:
-            return False
+            return
         for fault in self._faults:
             fault.fire("after_step", step)
-        stop = self._vote(self._stop_requested)
-        last = step == self.total_steps
-        if stop or last or step % self.config.interval == 0:
+        if stop or step == self.total_steps or step % self.config.interval == 0:
             self.save(step)
-        if stop and not last:
-            logger.info("stopped after step %d on SIGTERM; run the same command to resume", step)
-        return stop
 
     def save(self, step: int) -> None:
         """Write a checkpoint of the run as it is after ``step``."""
@@ -197,10 +196,12 @@ class CheckpointManager:
         )
         writer = FileSystemWriter(partial)
         if self._executor is None:
-            dcp.save(state, storage_writer=writer)
+            with _interruptible():
+                dcp.save(state, storage_writer=writer)
             self._commit(step, partial, final, start, self._control_group)
             return
-        upload = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+        with _interruptible():
+            upload = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
         logger.info(
             "checkpoint step-%d copied in %.2f s, writing it in the background",
             step,
@@ -271,7 +272,7 @@ class CheckpointManager:
             pending.result()
 
     def close(self) -> None:
-        """Finish any save in flight (collective) and give the SIGTERM handler back."""
+        """Finish any save in flight (collective)."""
         try:
             self.wait()
         finally:
@@ -279,25 +280,11 @@ class CheckpointManager:
 
     def abort(self) -> None:
         """After an error: abandon a save in flight without waiting for it (its collectives
-        may wait for a rank that failed; it stays ``.partial``, never loaded) and give the
-        SIGTERM handler back (idempotent)."""
+        may wait for a rank that failed); it stays ``.partial``, never loaded (idempotent)."""
         self._pending = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-        if self._sigterm_installed:
-            # signal.signal returns None for a handler not set from Python.
-            previous = self._previous_sigterm
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-            self._sigterm_installed = False
-
-    def _vote(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is True on any (SIGTERM may reach only some)."""
-        if self._control_group is None:
-            return flag
-        vote = torch.tensor([int(flag)])
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._control_group)
-        return bool(vote.item())
 
     def _barrier(self, group: dist.ProcessGroup | None) -> None:
         if self.world.world_size > 1:
@@ -347,8 +334,7 @@ class CheckpointManager:
     # ----------------------------------------------------------------------- loading
 
     def load(self) -> None:
-        """Resume from the checkpoint ``checkpoint.load_step`` picks, if any. From then on a
-        SIGTERM makes the run save and stop at the end of the current step."""
+        """Resume from the checkpoint ``checkpoint.load_step`` picks, if any."""
         if not self.config.enable:
             return
         chosen = self._choose()
@@ -356,9 +342,6 @@ class CheckpointManager:
             logger.info("no checkpoint to resume from in %s: training from step 0", self.folder)
         else:
             self._load(chosen)
-        if threading.current_thread() is threading.main_thread():
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._sigterm_installed = True
 
     def _choose(self) -> Path | None:
         # Every rank lists the folder itself: DCP's file system storage already needs

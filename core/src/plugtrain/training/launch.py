@@ -41,16 +41,18 @@ def configure(argv: list[str]) -> tuple[JobConfig, PluginHost] | None:
 def run_cli(main: Callable[[], int | None]) -> int:
     """Run ``main`` and return its exit status; report on stderr how it failed.
 
-    A :class:`UserError` is one line and status 2; any other error its traceback and 1. In a
-    job of several processes, a failed process ends at once (``os._exit``), running no
-    collective and waiting for no thread: the other ranks may be blocked in a collective it
-    will never join, and so may its own background threads (an async checkpoint save). Its
-    exit lets torchrun tear the group down.
+    A :class:`UserError` is one line and status 2; ``KeyboardInterrupt`` (a second Ctrl-C) one
+    line and 130; any other error its traceback and 1. In a job of several processes, a failed
+    process ends at once (``os._exit``), running no collective and waiting for no thread: the
+    other ranks may be blocked in a collective it will never join, and so may its own
+    background threads (an async checkpoint save). Its exit lets torchrun tear the group down.
     """
     try:
         return main() or 0
     except UserError as e:
         code, message = 2, f"error: {e}"
+    except KeyboardInterrupt:
+        code, message = 130, "interrupted (KeyboardInterrupt): stopped at once, without saving"
     except Exception:
         code, message = 1, ""
         traceback.print_exc()

@@ -34,6 +34,7 @@ from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflo
 from plugtrain.observability.trace import HookTracer, tracing_requested
 from plugtrain.plugin import SetupContext, StepContext
 from plugtrain.training.optim import build_lr_scheduler, build_optimizer
+from plugtrain.training.stop import StopSignals
 
 logger = logging.getLogger("plugtrain")
 
@@ -117,6 +118,8 @@ class Trainer:
         if tracing_requested(config.metrics.trace_hooks):
             self.tracer = HookTracer.install(host, config.job.dump_folder, self.world.rank)
         self._setup_plugins()
+        # SIGTERM only with checkpoints: without, stopping saves nothing (see stop.py).
+        self.stop = StopSignals(self.world.world_size, sigterm=config.checkpoint.enable)
         self.checkpointer = CheckpointManager(
             config.checkpoint,
             config.job.dump_folder,
@@ -223,6 +226,7 @@ class Trainer:
             cfg.training.mixed_precision_param,
         )
         self.model.train()
+        self.stop.install()
         while self.step < cfg.training.steps:
             lr = self.lr_scheduler.get_last_lr()[0]
             self.timer.start_step()
@@ -233,8 +237,20 @@ class Trainer:
                 self._log_step(loss, ctx, lr)
             if self.val_data is not None and self._due(cfg.validation.interval):
                 self.metrics.log({"step": self.step, "validation_loss": self.validate()})
-            if self.checkpointer.after_step(self.step):
-                break  # SIGTERM: saved, stop here
+            stop = self.stop.vote()
+            self.checkpointer.after_step(self.step, stop is not None)
+            if stop is not None:
+                self._log_stop(stop.name)
+                break
+
+    def _log_stop(self, signal_name: str) -> None:
+        if self.step == self.config.training.steps:
+            return  # the run is complete anyway
+        if self.config.checkpoint.enable:
+            then = "run the same command to resume"
+        else:
+            then = "checkpoint.enable is off, so nothing was saved and a rerun starts afresh"
+        logger.info("stopped after step %d on %s; %s", self.step, signal_name, then)
 
     def _due(self, every: int) -> bool:
         return self.step % every == 0 or self.step == self.config.training.steps
@@ -291,6 +307,7 @@ class Trainer:
         """End the run after an error without a collective, since a failed rank may never join
         one: abandon a save in flight, close the run's files (metrics, hook trace), give the
         signal handlers back (idempotent)."""
+        self.stop.close()
         self.checkpointer.abort()
         if self.tracer is not None:
             self.tracer.close()

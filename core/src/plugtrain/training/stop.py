@@ -1,0 +1,74 @@
+"""Stopping a run cleanly on SIGTERM and SIGINT: at the end of a step, on every rank at once.
+
+A signal only sets a flag; after each step the ranks vote (:meth:`StopSignals.vote`), so a
+signal that reaches one rank stops every rank after the same step, and the run saves a
+checkpoint (when checkpointing is on), closes its files and exits 0.
+
+- SIGINT (Ctrl-C) is always handled: the first asks for the stop; it then gives the previous
+  handler back, so a second Ctrl-C raises ``KeyboardInterrupt`` at once, without saving.
+- SIGTERM (a scheduler's preemption notice) is handled only when checkpointing is on, where a
+  stop saves the run; every SIGTERM only asks for the stop, since a scheduler or torchrun may
+  send several. With nothing to save, its default action ends the process at once, which is
+  also what torchrun counts on when it tears a failed group down.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class StopSignals:
+    """The stop flag, its signal handlers, and the per-step vote over ranks.
+
+    Built on every rank (it makes a process group: a collective); :meth:`install` when training
+    starts, :meth:`vote` after each step (collective), :meth:`close` at the end, on any path.
+    """
+
+    def __init__(self, world_size: int, *, sigterm: bool) -> None:
+        self.signals = (signal.SIGINT, signal.SIGTERM) if sigterm else (signal.SIGINT,)
+        self.requested: signal.Signals | None = None
+        """The first signal this rank got, if any."""
+        self._previous: dict[signal.Signals, Any] = {}
+        # A CPU (gloo) group for the vote, whatever the training backend: a few bytes over
+        # TCP per step, no device synchronisation.
+        self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+
+    def install(self) -> None:
+        """Handle the signals from now on (only the main thread can; elsewhere a no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self.signals:
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: the step in progress finishes, then the vote stops every rank.
+        if self.requested is None:
+            self.requested = signal.Signals(signum)
+        if signum == signal.SIGINT:
+            self._restore(signal.SIGINT)
+
+    def vote(self) -> signal.Signals | None:
+        """The signal that stops the run after this step, if any rank got one (collective)."""
+        if self._group is None:
+            return self.requested
+        vote = torch.tensor([int(self.requested or 0)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
+        return signal.Signals(vote.item()) if vote.item() else None
+
+    def close(self) -> None:
+        """Give back the handlers :meth:`install` replaced (idempotent)."""
+        for signum in list(self._previous):
+            self._restore(signum)
+
+    def _restore(self, signum: signal.Signals) -> None:
+        if signum in self._previous:
+            previous = self._previous.pop(signum)
+            # signal.signal returns None for a handler not set from Python.
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
