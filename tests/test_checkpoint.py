@@ -96,7 +96,8 @@ def test_a_save_before_the_first_optimizer_step_changes_nothing(tmp_path, refere
     expected = steps_losses(read_metrics(tmp_path / "plain"))
     assert expected != steps_losses(reference["records"])  # the veto matters
     assert steps_losses(read_metrics(tmp_path / "saved")) == expected
-    resumed = cw.build(tmp_path / "saved", *args, "--checkpoint.load_step", "1")
+    resume_at_1 = ("--checkpoint.load_step", "1", "--checkpoint.discard_later", "true")
+    resumed = cw.build(tmp_path / "saved", *args, *resume_at_1)
     assert resumed.step == 1 and not resumed.optimizer.state
     cw.run(resumed)
     assert steps_losses(read_metrics(tmp_path / "saved")) == expected
@@ -117,17 +118,13 @@ def test_resume_restores_rng_states(tmp_path):
     assert (random.random(), np.random.rand()) == expected[1:]
 
 
-def test_saves_on_schedule_keeps_the_latest_k_and_drops_an_abandoned_future(tmp_path):
+def test_saves_on_schedule_and_keeps_the_latest_k(tmp_path):
     cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "2", "--training.steps", "7"))
     folder = tmp_path / "checkpoints"
     assert sorted(os.listdir(folder)) == ["step-6", "step-7"]  # 2, 4, 6 by interval, 7 the last
-    # Resuming from an earlier checkpoint abandons the later ones: the next save removes them.
-    cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.load_step", "6", "--training.steps", "7"))
     cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "0", "--training.steps", "8"))
     assert list(complete_checkpoints(folder)) == [6, 7, 8]
-    cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.load_step", "6", "--training.steps", "7"))
-    assert list(complete_checkpoints(folder)) == [6, 7]
-    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 8))
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))
 
 
 def test_crash_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path, reference):
@@ -212,6 +209,67 @@ def test_refuses_a_checkpoint_of_another_model_and_writes_nothing(tmp_path):
         "job.dump_folder"
     )
     assert run_records(tmp_path) == before
+
+
+def test_starting_afresh_over_checkpoints_is_refused_and_deletes_nothing(tmp_path, capsys):
+    saved_run(tmp_path)
+    before = run_records(tmp_path)
+    assert resume_error(tmp_path, "--checkpoint.load_step", "0") == (
+        f"checkpoint.load_step is 0 (start afresh), but {tmp_path / 'checkpoints'} holds "
+        "checkpoints of an earlier run (steps 2, 4): train in another job.dump_folder, or add "
+        "--checkpoint.discard_later true to delete them"
+    )
+    assert list(complete_checkpoints(tmp_path / "checkpoints")) == [2, 4]
+    assert run_records(tmp_path) == before
+    capsys.readouterr()
+    discard = ("--checkpoint.load_step", "0", "--checkpoint.discard_later", "true")
+    afresh = cw.build(tmp_path, *CKPT, *discard)
+    afresh.close()
+    log = capsys.readouterr().err
+    assert afresh.step == 0 and not complete_checkpoints(tmp_path / "checkpoints")
+    assert "starting afresh (checkpoint.load_step 0)" in log
+    assert "deleted step-2, step-4 (checkpoint.discard_later)" in log
+    assert "no checkpoint to resume from" not in log
+
+
+def test_resuming_before_later_checkpoints_is_refused_unless_discarded(tmp_path, capsys):
+    saved_run(tmp_path, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0")
+    before = run_records(tmp_path)
+    assert resume_error(tmp_path, "--checkpoint.load_step", "2") == (
+        f"checkpoint.load_step is 2, but {tmp_path / 'checkpoints'} holds later checkpoints "
+        "(steps 3, 4) that this run would overwrite: resume from the latest with "
+        "--checkpoint.load_step -1, or add --checkpoint.discard_later true to delete them"
+    )
+    assert list(complete_checkpoints(tmp_path / "checkpoints")) == [1, 2, 3, 4]
+    assert run_records(tmp_path) == before
+    # A requeued job script that keeps its load_step: refused, never a silent deletion.
+    requeued = ("--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0")
+    assert "holds later checkpoints" in resume_error(
+        tmp_path, *requeued, "--training.steps", "4", "--checkpoint.load_step", "3"
+    )
+    capsys.readouterr()
+    discard = ("--checkpoint.load_step", "2", "--checkpoint.discard_later", "true")
+    resumed = cw.build(tmp_path, *CKPT, *requeued, "--training.steps", "4", *discard)
+    assert resumed.step == 2
+    assert "deleted step-3, step-4 (checkpoint.discard_later)" in capsys.readouterr().err
+    cw.run(resumed)
+    assert list(complete_checkpoints(tmp_path / "checkpoints")) == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_a_save_never_replaces_a_complete_checkpoint(tmp_path):
+    trainer = cw.build(tmp_path, *CKPT, "--training.steps", "4")
+    # Another run, writing to the same folder meanwhile, has saved the step this one will.
+    foreign = tmp_path / "checkpoints" / "step-2"
+    cw.run(cw.build(tmp_path / "other", *CKPT, "--training.steps", "2"))
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "step-2", foreign)
+    (foreign / "mark").touch()
+    try:
+        with pytest.raises(CheckpointError, match=r"cannot save \S+step-2: a complete checkpoint"):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert (foreign / "mark").is_file()
 
 
 def test_refuses_a_load_step_that_does_not_exist(tmp_path):

@@ -187,7 +187,12 @@ class CheckpointConfig:
     keeps every one."""
     load_step: int = -1
     """Checkpoint to resume from: -1 the latest complete one (none: train from scratch), N the
-    one of step N (an error if it does not exist), 0 none (train from scratch)."""
+    one of step N (an error if it does not exist), 0 none (train from scratch). N or 0 in a
+    folder holding later complete checkpoints is an error, unless ``discard_later`` is set."""
+    discard_later: bool = False
+    """Delete, at start-up, the complete checkpoints after the one ``load_step`` picks (with
+    ``load_step`` 0: all of them), written by an earlier run; without it such a start is
+    refused, since this run would overwrite them."""
     async_mode: Literal["disabled", "async"] = "disabled"
     """``async``: copy the state to CPU memory, then write it in a background thread while
     training goes on (``dcp.async_save``); ``disabled``: training waits for each save."""
@@ -207,6 +212,11 @@ class CheckpointConfig:
         check_field(
             self.enable or self.load_step == -1,
             "load_step",
+            "needs checkpoint.enable = true: add --checkpoint.enable true",
+        )
+        check_field(
+            self.enable or not self.discard_later,
+            "discard_later",
             "needs checkpoint.enable = true: add --checkpoint.enable true",
         )
 

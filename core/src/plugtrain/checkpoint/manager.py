@@ -23,6 +23,11 @@ loading never unpickles an object (tensors go through ``torch.load(weights_only=
 Resuming reshards: the model and optimizer may be loaded on another number of ranks, and the
 data loader's position does not depend on it; only the RNG streams of ranks the checkpoint did
 not have start afresh.
+
+A run deletes only checkpoints it wrote itself (the ``keep_latest_k`` oldest) and crash
+leftovers. Starting afresh, or resuming from an earlier step, in a folder holding later complete
+checkpoints is refused unless ``checkpoint.discard_later`` asks to delete them; a save never
+replaces a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -184,6 +189,8 @@ class CheckpointManager:
         """Write a checkpoint of the run as it is after ``step``."""
         self.wait()
         final = self.folder / f"step-{step}"
+        if final.exists():
+            raise self._exists_error(final)
         partial = final.with_name(final.name + _PARTIAL)
         start = time.perf_counter()
         if self.world.is_main:
@@ -225,8 +232,8 @@ class CheckpointManager:
             fault.fire("before_commit", step)
         self._barrier(group)
         if self.world.is_main:
-            if final.exists():  # an earlier save of this step, by a run resumed from before it
-                _delete(final)
+            if final.exists():  # appeared since save() looked: another run writes here too
+                raise self._exists_error(final)
             partial.rename(final)
         # So that on every rank a returned save is a visible one.
         self._barrier(group)
@@ -241,23 +248,24 @@ class CheckpointManager:
         )
         self._prune(step)
 
+    def _exists_error(self, final: Path) -> CheckpointError:
+        # Start-up refuses later checkpoints, so this one was written by another run since.
+        return CheckpointError(
+            f"cannot save {final}: a complete checkpoint of that step already exists, written by "
+            "another run using the same job.dump_folder; give each run its own job.dump_folder"
+        )
+
     def _prune(self, step: int) -> None:
-        """Delete what a crash left behind, checkpoints after ``step`` (a run resumed from an
-        earlier one abandoned them) and all but the newest ``keep_latest_k``."""
+        """Delete what a crash left behind and all but the newest ``keep_latest_k`` checkpoints
+        up to ``step``; a later one is never deleted here (start-up refuses them)."""
         for path in self.folder.iterdir():
             if path.name.endswith((_PARTIAL, _DELETING)):
                 shutil.rmtree(path)
-        steps = list(complete_checkpoints(self.folder))
-        abandoned = [s for s in steps if s > step]
         keep = self.config.keep_latest_k
-        old = [s for s in steps if s <= step][:-keep] if keep else []
-        for s in abandoned + old:
+        steps = [s for s in complete_checkpoints(self.folder) if s <= step]
+        old = steps[:-keep] if keep else []
+        for s in old:
             _delete(self.folder / f"step-{s}")
-        if abandoned:
-            logger.info(
-                "deleted %s: saved by the run this one resumed from an earlier checkpoint",
-                ", ".join(f"step-{s}" for s in abandoned),
-            )
         if old:
             logger.info(
                 "deleted %s (keep_latest_k %d)",
@@ -334,19 +342,37 @@ class CheckpointManager:
     # ----------------------------------------------------------------------- loading
 
     def load(self) -> None:
-        """Resume from the checkpoint ``checkpoint.load_step`` picks, if any."""
+        """Resume from the checkpoint ``checkpoint.load_step`` picks, if any.
+
+        Complete checkpoints after the one picked (all of them for ``load_step`` 0) belong to
+        a run this one would overwrite: refused, or with ``checkpoint.discard_later`` deleted
+        once the resume has succeeded."""
         if not self.config.enable:
             return
-        chosen = self._choose()
-        if chosen is None:
-            logger.info("no checkpoint to resume from in %s: training from step 0", self.folder)
-        else:
-            self._load(chosen)
-
-    def _choose(self) -> Path | None:
         # Every rank lists the folder itself: DCP's file system storage already needs
         # one folder that all ranks see.
         available = complete_checkpoints(self.folder)
+        chosen = self._choose(available)
+        later = [s for s in available if chosen is None or s > chosen]
+        if later and not self.config.discard_later:
+            raise self._later_error(chosen, later)
+        if chosen is not None:
+            self._load(available[chosen])
+        elif self.config.load_step == 0:
+            logger.info("starting afresh (checkpoint.load_step 0)")
+        else:
+            logger.info("no checkpoint to resume from in %s: training from step 0", self.folder)
+        if later:
+            if self.world.is_main:
+                for s in later:
+                    _delete(available[s])
+                logger.info(
+                    "deleted %s (checkpoint.discard_later)", ", ".join(f"step-{s}" for s in later)
+                )
+            self._barrier(self._control_group)
+
+    def _choose(self, available: Mapping[int, Path]) -> int | None:
+        """The step to resume from, None to start afresh."""
         load_step = self.config.load_step
         if load_step == 0:
             return None
@@ -358,8 +384,22 @@ class CheckpointManager:
                     f"checkpoint step-{load_step} (complete ones: {steps}): pick one of them, "
                     "or -1 for the latest"
                 )
-            return available[load_step]
-        return available[max(available)] if available else None
+            return load_step
+        return max(available) if available else None
+
+    def _later_error(self, chosen: int | None, later: list[int]) -> CheckpointError:
+        steps = ", ".join(map(str, later))
+        if chosen is None:
+            return CheckpointError(
+                f"checkpoint.load_step is 0 (start afresh), but {self.folder} holds checkpoints "
+                f"of an earlier run (steps {steps}): train in another job.dump_folder, or add "
+                "--checkpoint.discard_later true to delete them"
+            )
+        return CheckpointError(
+            f"checkpoint.load_step is {chosen}, but {self.folder} holds later checkpoints "
+            f"(steps {steps}) that this run would overwrite: resume from the latest with "
+            "--checkpoint.load_step -1, or add --checkpoint.discard_later true to delete them"
+        )
 
     def _load(self, path: Path) -> None:
         start = time.perf_counter()
