@@ -272,6 +272,26 @@ def test_a_save_never_replaces_a_complete_checkpoint(tmp_path):
     assert (foreign / "mark").is_file()
 
 
+def test_a_resume_that_changes_a_fixed_setting_is_refused_and_writes_nothing(tmp_path, capsys):
+    saved_run(tmp_path)
+    step4 = tmp_path / "checkpoints" / "step-4"
+    before = run_records(tmp_path), sorted(os.listdir(step4))
+    assert resume_error(tmp_path, "--training.steps", "4", "--optimizer.lr", "1e-5") == (
+        f"optimizer.lr is 1e-05 in this run but 0.003 in checkpoint {step4}, and a resumed run "
+        "keeps the settings it started with: drop --optimizer.lr (or set it back), or start a "
+        "new run in another job.dump_folder"
+    )
+    assert "data.shuffle is False in this run but True" in resume_error(
+        tmp_path, "--data.shuffle", "false"
+    )
+    assert (run_records(tmp_path), sorted(os.listdir(step4))) == before
+    # A checkpoint of an older plugtrain, without its config.json: resumed, with a warning.
+    (step4 / "config.json").unlink()
+    capsys.readouterr()
+    cw.build(tmp_path, *CKPT, "--training.steps", "4", "--optimizer.lr", "1e-5").close()
+    assert f"checkpoint {step4} has no config.json" in capsys.readouterr().err
+
+
 def test_refuses_a_load_step_that_does_not_exist(tmp_path):
     saved_run(tmp_path)
     assert resume_error(tmp_path, "--checkpoint.load_step", "3") == (

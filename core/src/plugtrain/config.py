@@ -261,6 +261,36 @@ def _core_sections() -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(JobConfig) if f.name != "plugin_sections"]
 
 
+FIXED_ON_RESUME: dict[str, tuple[str, ...] | None] = {
+    "model": None,
+    "training": (
+        "batch_size",
+        "seq_len",
+        "grad_accum_steps",
+        "seed",
+        "mixed_precision_param",
+        "mixed_precision_reduce",
+    ),
+    "optimizer": None,
+    "lr_scheduler": None,
+    "data": ("text_field", "shuffle"),
+}
+"""The settings a resumed run keeps, by section (None: every key): they define the run's
+trajectory, so the run a resume continues must be the one they started. Every other setting
+may change on resume (README.md, "Checkpoints")."""
+
+
+def fixed_on_resume(values: typing.Mapping[str, typing.Mapping[str, Any]]) -> dict[str, Any]:
+    """The settings of ``values`` (:meth:`JobConfig.to_dict`, or its JSON) that a resumed run
+    keeps, by dotted key (``optimizer.lr``), in section order."""
+    return {
+        f"{section}.{key}": value
+        for section, keys in FIXED_ON_RESUME.items()
+        for key, value in values.get(section, {}).items()
+        if keys is None or key in keys
+    }
+
+
 # --------------------------------------------------------------------------- reading values
 
 

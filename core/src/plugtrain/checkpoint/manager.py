@@ -18,7 +18,10 @@ ranks that saved it), ``rng.rank<R>`` (each rank's torch,
 CUDA, Python and NumPy generator states) and ``plugins.<name>`` (each stateful plugin's
 ``state_dict`` hook). Numbers are stored as 0-d tensors, so a checkpoint holds tensors only:
 loading never unpickles an object (tensors go through ``torch.load(weights_only=True)``, DCP's
-``.metadata`` file through an unpickler that admits DCP's own metadata classes only).
+``.metadata`` file through an unpickler that admits DCP's own metadata classes only). Beside
+them, ``config.json`` holds the resolved config of the run that saved it (written into the
+``.partial`` folder, so it is committed with it): a resume that changes a setting the run must
+keep (``config.FIXED_ON_RESUME``) is refused, naming the key.
 
 Resuming reshards: the model and optimizer may be loaded on another number of ranks, and the
 data loader's position does not depend on it; only the RNG streams of ranks the checkpoint did
@@ -33,6 +36,7 @@ replaces a complete checkpoint.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -63,7 +67,7 @@ from plugtrain.checkpoint.dcp_io import (
 )
 from plugtrain.checkpoint.faults import Fault
 from plugtrain.checkpoint.rng import rng_state, set_rng_state
-from plugtrain.config import CheckpointConfig
+from plugtrain.config import CheckpointConfig, fixed_on_resume
 from plugtrain.distributed import World
 from plugtrain.errors import CheckpointError, one_line
 from plugtrain.host.plugin_host import PluginHost
@@ -72,6 +76,8 @@ logger = logging.getLogger("plugtrain")
 
 CHECKPOINTS = "checkpoints"
 """The folder of ``job.dump_folder`` that holds a run's checkpoints."""
+CONFIG = "config.json"
+"""The file of a checkpoint folder that holds the resolved config of the run that saved it."""
 _STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL, _DELETING = ".partial", ".deleting"
 
@@ -130,7 +136,8 @@ class CheckpointManager:
     It is given the pieces it saves, never the trainer: the model and optimizer (saved through
     DCP's ``get_state_dict``, sharded), ``states`` (objects with ``state_dict`` and
     ``load_state_dict``, saved under their key: the LR schedule, the data loader, the trainer's
-    counters) and the plugin host (each plugin's ``state_dict`` hook).
+    counters) and the plugin host (each plugin's ``state_dict`` hook). ``run_config`` is the
+    run's resolved config as plain data (``JobConfig.to_dict``), saved with each checkpoint.
 
     The trainer calls :meth:`load` once, after plugin setup; :meth:`after_step` after every
     optimizer step (it saves when due); :meth:`close` at the end, or :meth:`abort` after an
@@ -148,8 +155,10 @@ class CheckpointManager:
         optimizer: Optimizer,
         states: Mapping[str, Stateful],
         host: PluginHost,
+        run_config: Mapping[str, Any],
     ) -> None:
         self.config = config
+        self.run_config = run_config
         self.folder = checkpoint_folder(dump_folder)
         self.world = world
         self.total_steps = total_steps
@@ -197,6 +206,7 @@ class CheckpointManager:
             if partial.exists():  # left by a crash while saving this very step
                 shutil.rmtree(partial)
             partial.mkdir(parents=True)
+            (partial / CONFIG).write_text(json.dumps(self.run_config, indent=2) + "\n")
         self._barrier(self._control_group)
         state = self._storable(
             self._state(with_rng=True, plugins=None, optimizer_state=bool(self.optimizer.state))
@@ -416,6 +426,7 @@ class CheckpointManager:
         )
         storable = self._storable(template)
         self._check(path, saved, flat_keys(storable), template["plugins"])
+        self._check_settings(path)
         try:
             dcp.load(
                 storable,
@@ -501,6 +512,33 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"checkpoint {path} stores '{key}' as a pickled object, which plugtrain never "
                     "loads: use a checkpoint written by plugtrain"
+                )
+
+    def _check_settings(self, path: Path) -> None:
+        """Refuse, with one line, a resume that changes a setting the run must keep."""
+        try:
+            saved = json.loads((path / CONFIG).read_text())
+        except FileNotFoundError:
+            if self.world.is_main:
+                logger.warning(
+                    "checkpoint %s has no %s (saved by an older plugtrain): this run's settings "
+                    "are not checked against it",
+                    path,
+                    CONFIG,
+                )
+            return
+        except (OSError, ValueError) as e:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: cannot read its {CONFIG} ({one_line(e)}); delete "
+                "it to resume from the one before, or pick one with --checkpoint.load_step"
+            ) from e
+        theirs = fixed_on_resume(saved)
+        for key, value in fixed_on_resume(self.run_config).items():
+            if key in theirs and theirs[key] != value:
+                raise CheckpointError(
+                    f"{key} is {value!r} in this run but {theirs[key]!r} in checkpoint {path}, "
+                    f"and a resumed run keeps the settings it started with: drop --{key} (or set "
+                    "it back), or start a new run in another job.dump_folder"
                 )
 
     def _apply(self, state: Mapping[str, Any]) -> None:

@@ -129,6 +129,7 @@ class Trainer:
             self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "data": self.loader, "train": self},
             host=host,
+            run_config=config.to_dict(),
         )
         self.checkpointer.load()
         # After the load, so that a refused resume leaves the run's records untouched.
