@@ -292,6 +292,26 @@ def test_a_resume_that_changes_a_fixed_setting_is_refused_and_writes_nothing(tmp
     assert f"checkpoint {step4} has no config.json" in capsys.readouterr().err
 
 
+def test_extending_a_finished_run_keeps_its_lr_schedule_and_says_so(tmp_path, capsys):
+    saved_run(tmp_path)
+    planned = json.loads((tmp_path / "checkpoints" / "step-4" / "config.json").read_text())
+    assert planned["training"]["steps"] == 4
+    capsys.readouterr()
+    cw.run(cw.build(tmp_path, *CKPT, "--training.steps", "6", "--job.description", "longer"))
+    lr = {r["step"]: r["lr"] for r in read_metrics(tmp_path)}
+    assert list(lr) == [1, 2, 3, 4, 5, 6]
+    assert lr[4] > lr[5] == lr[6] == pytest.approx(3e-3 * 0.1)  # decayed to the end, no jump
+    assert (
+        "training.steps is 6 but the resumed run's LR schedule was planned for 4 steps: steps "
+        "5-6 train at the schedule's final learning rate, 0.0003 (min_lr_ratio x lr)"
+    ) in capsys.readouterr().err
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["resumed_from"] == {"path": str(tmp_path / "checkpoints" / "step-4"), "step": 4}
+    assert run["lr_schedule_steps"] == 4
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["training"]["steps"], config["job"]["description"]) == (6, "longer")
+
+
 def test_refuses_a_load_step_that_does_not_exist(tmp_path):
     saved_run(tmp_path)
     assert resume_error(tmp_path, "--checkpoint.load_step", "3") == (

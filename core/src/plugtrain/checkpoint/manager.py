@@ -80,6 +80,8 @@ CONFIG = "config.json"
 """The file of a checkpoint folder that holds the resolved config of the run that saved it."""
 _STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL, _DELETING = ".partial", ".deleting"
+_SCHEDULE_STEPS = "lr_scheduler.total_steps"
+"""The LR schedule's planned length: checkpoints of older plugtrain versions lack it."""
 
 
 # --------------------------------------------------------------------------- the folder
@@ -159,6 +161,8 @@ class CheckpointManager:
     ) -> None:
         self.config = config
         self.run_config = run_config
+        self.resumed_from: dict[str, Any] | None = None
+        """The checkpoint :meth:`load` resumed from, ``{"path", "step"}``; None for a new run."""
         self.folder = checkpoint_folder(dump_folder)
         self.world = world
         self.total_steps = total_steps
@@ -425,8 +429,11 @@ class CheckpointManager:
             optimizer_state=any(key.startswith("optimizer.state.") for key in saved),
         )
         storable = self._storable(template)
+        old_format = _SCHEDULE_STEPS not in saved
+        if old_format:  # saved before schedules kept their length: this run's one applies
+            del storable["lr_scheduler"][_SCHEDULE_STEPS.split(".")[1]]
         self._check(path, saved, flat_keys(storable), template["plugins"])
-        self._check_settings(path)
+        self._check_settings(path, old_format)
         try:
             dcp.load(
                 storable,
@@ -443,6 +450,7 @@ class CheckpointManager:
         for name, plugin_state in state["plugins"].items():
             self.host.call_one(name, "load_state_dict", state_dict=plugin_state)
         train, saved_world = state["train"], state["world"]["size"]
+        self.resumed_from = {"path": str(path), "step": train["step"]}
         if self.world.is_main:
             ignored = sorted(in_checkpoint - loaders)
             if ignored:
@@ -514,7 +522,7 @@ class CheckpointManager:
                     "loads: use a checkpoint written by plugtrain"
                 )
 
-    def _check_settings(self, path: Path) -> None:
+    def _check_settings(self, path: Path, old_format: bool) -> None:
         """Refuse, with one line, a resume that changes a setting the run must keep."""
         try:
             saved = json.loads((path / CONFIG).read_text())
@@ -522,9 +530,10 @@ class CheckpointManager:
             if self.world.is_main:
                 logger.warning(
                     "checkpoint %s has no %s (saved by an older plugtrain): this run's settings "
-                    "are not checked against it",
+                    "are not checked against it%s",
                     path,
                     CONFIG,
+                    ", and the LR schedule spans this run's training.steps" if old_format else "",
                 )
             return
         except (OSError, ValueError) as e:

@@ -35,8 +35,9 @@ Sinks: the JSONL file (always), TensorBoard (``[metrics] enable_tensorboard``, e
 ``<dump_folder>/tensorboard``) and Weights & Biases (``[metrics] enable_wandb``; set
 ``WANDB_MODE=offline`` to log without network). Each takes every key of every record.
 
-At start-up rank 0 also writes ``config.json`` (the resolved config, after overrides) and
-``run.json`` (plugins and their versions, torch, world size, device) to the dump folder.
+At start-up rank 0 also writes ``config.json`` (the resolved config, after overrides: what the
+run uses) and ``run.json`` (plugins and their versions, torch, world size, device, the checkpoint
+a resumed run continues, the LR schedule's planned length) to the dump folder.
 """
 
 from __future__ import annotations
@@ -280,11 +281,17 @@ def write_run_records(
     plugins: Mapping[str, Mapping[str, Any]],
     world_size: int,
     device: torch.device,
+    *,
+    resumed_from: Mapping[str, Any] | None = None,
+    lr_schedule_steps: int | None = None,
 ) -> None:
     """Write ``config.json`` (the resolved config) and ``run.json`` to the dump folder.
 
     ``plugins`` describes each enabled plugin (``PluginHost.report``): its distribution and
     version, and for one that deactivated itself in ``setup``, ``inactive`` with its reason.
+    ``resumed_from`` is the checkpoint a resumed run continues (``path``, ``step``), and
+    ``lr_schedule_steps`` the steps its LR schedule spans (a resume keeps the planned length,
+    which may differ from ``training.steps``).
     """
     folder = Path(config.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -298,6 +305,8 @@ def write_run_records(
         "world_size": world_size,
         "device": device.type,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "resumed_from": dict(resumed_from) if resumed_from is not None else None,
+        "lr_schedule_steps": lr_schedule_steps,
     }
     for name, data in (("config.json", config.to_dict()), ("run.json", run)):
         (folder / name).write_text(json.dumps(data, indent=2) + "\n")

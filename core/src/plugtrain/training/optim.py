@@ -44,14 +44,30 @@ def lr_factor(step: int, cfg: LRSchedulerConfig, total_steps: int) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
 
 
-def build_lr_scheduler(optimizer: Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LambdaLR:
-    """A ``LambdaLR`` over :func:`lr_factor`; its ``last_epoch`` counts the steps taken.
+class PlannedLR(LambdaLR):
+    """A ``LambdaLR`` over :func:`lr_factor` whose length, ``total_steps``, is part of its state.
+
+    ``LambdaLR.state_dict`` saves every attribute but the optimizer and the lambdas, and its
+    ``load_state_dict`` restores them; the lambda reads ``total_steps`` at each call, so a
+    resumed run keeps the length its schedule was planned for, whatever its ``training.steps``.
+    """
+
+    def __init__(self, optimizer: Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> None:
+        self.total_steps = total_steps
+        """The optimizer steps the decay spans; after them the factor stays at its final value."""
+
+        def factor(step: int) -> float:
+            return lr_factor(step, cfg, self.total_steps)
+
+        # Set before: LambdaLR's constructor already calls the lambda.
+        super().__init__(optimizer, factor)
+
+
+def build_lr_scheduler(optimizer: Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> PlannedLR:
+    """The schedule of :func:`lr_factor` over ``total_steps``; its ``last_epoch`` counts the
+    steps taken.
 
     A vetoed step does not call ``scheduler.step()``, so the schedule follows the
     optimizer steps that really happened, not the loop counter.
     """
-
-    def factor(step: int) -> float:
-        return lr_factor(step, cfg, total_steps)
-
-    return LambdaLR(optimizer, factor)
+    return PlannedLR(optimizer, cfg, total_steps)

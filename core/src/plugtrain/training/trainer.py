@@ -33,7 +33,7 @@ from plugtrain.observability.metrics import MetricsLogger, to_number, write_run_
 from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflops, throughput
 from plugtrain.observability.trace import HookTracer, tracing_requested
 from plugtrain.plugin import SetupContext, StepContext
-from plugtrain.training.optim import build_lr_scheduler, build_optimizer
+from plugtrain.training.optim import build_lr_scheduler, build_optimizer, lr_factor
 from plugtrain.training.stop import StopSignals
 
 logger = logging.getLogger("plugtrain")
@@ -135,7 +135,39 @@ class Trainer:
         # After the load, so that a refused resume leaves the run's records untouched.
         self.metrics.start(self.step)
         if self.world.is_main:
-            write_run_records(config, host.report(), self.world.world_size, self.device)
+            self._warn_if_schedule_differs()
+            write_run_records(
+                config,
+                host.report(),
+                self.world.world_size,
+                self.device,
+                resumed_from=self.checkpointer.resumed_from,
+                lr_schedule_steps=self.lr_scheduler.total_steps,
+            )
+
+    def _warn_if_schedule_differs(self) -> None:
+        """Say what a resumed run whose training.steps changed does: its LR schedule keeps the
+        length it was planned for, so that the learning rate never jumps."""
+        planned, steps = self.lr_scheduler.total_steps, self.config.training.steps
+        if planned == steps:
+            return
+        if steps > planned:
+            first = max(planned, self.step) + 1
+            if first > steps:
+                return  # nothing left to train
+            cfg = self.config.lr_scheduler
+            final = self.config.optimizer.lr * lr_factor(planned, cfg, planned)
+            what = f"steps {first}-{steps} train at the schedule's final learning rate, {final:.3g}"
+            if cfg.decay_type != "constant":
+                what += " (min_lr_ratio x lr)"
+        else:
+            what = f"the run stops at step {steps}, before the learning rate has fully decayed"
+        logger.warning(
+            "training.steps is %d but the resumed run's LR schedule was planned for %d steps: %s",
+            steps,
+            planned,
+            what,
+        )
 
     def _setup_plugins(self) -> None:
         ctx = SetupContext(
