@@ -14,11 +14,13 @@ from plugtrain.data.pipeline import (
     PackedDataset,
     StatefulBatchLoader,
     build_dataset,
+    count_eval_batches,
     iter_eval_batches,
     load_jsonl_texts,
     tokenize_documents,
 )
 from plugtrain.data.tokenizer import Tokenizer
+from plugtrain.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 3
@@ -125,8 +127,18 @@ def test_packed_dataset_targets_are_shifted_inputs() -> None:
 
 
 def test_packed_dataset_too_short_stream() -> None:
-    with pytest.raises(ValueError, match=r"has 4 tokens, fewer than the 5 needed .* seq_len=4"):
+    msg = r"the token stream has 4 tokens, fewer than the 5 needed .* seq_len=4"
+    with pytest.raises(DataError, match=msg):
         PackedDataset(torch.arange(4), seq_len=4)
+    with pytest.raises(DataError, match=r"training\.seq_len must be at least 1, got 0"):
+        PackedDataset(torch.arange(4), seq_len=0)
+
+
+def test_build_dataset_names_a_file_too_small_for_one_sample(tmp_path: Path, tok: Tokenizer):
+    path = _jsonl(tmp_path, '{"text": "Exeunt."}\n')
+    msg = f"data.validation_path '{path}' has 4 tokens, fewer than the 33 needed"
+    with pytest.raises(DataError, match=re.escape(msg)):
+        build_dataset(path, "data.validation_path", tok, "text", 32)
 
 
 def test_build_dataset_packs_the_validation_split(tok: Tokenizer) -> None:
@@ -233,11 +245,11 @@ def test_loader_resume_continues_the_same_sequence(resume_world: int, resume_acc
 
 def test_loader_load_state_dict_validates() -> None:
     loader = _loaders(_dataset(20), 1, 1)[0]
-    with pytest.raises(ValueError, match=r"has keys \['epoch'\], expected \['epoch', 'position'\]"):
+    with pytest.raises(DataError, match=r"has keys \['epoch'\], expected \['epoch', 'position'\]"):
         loader.load_state_dict({"epoch": 0})
-    with pytest.raises(ValueError, match="out of range for a dataset of 20 samples"):
+    with pytest.raises(DataError, match="out of range for the 20 samples of the token stream"):
         loader.load_state_dict({"epoch": 0, "position": 21})
-    with pytest.raises(ValueError, match="must hold two ints"):
+    with pytest.raises(DataError, match="must hold two ints"):
         loader.load_state_dict({"epoch": 0, "position": 1.5})
     assert loader.state_dict() == {"epoch": 0, "position": 0}  # untouched by failed loads
 
@@ -252,7 +264,8 @@ def test_loader_batch_size_not_divisible() -> None:
 
 
 def test_loader_batch_larger_than_dataset() -> None:
-    with pytest.raises(ValueError, match=r"training\.batch_size=8 exceeds the 5 training samples"):
+    msg = r"training\.batch_size=8 exceeds the 5 training samples of seq_len=3 in the token stream"
+    with pytest.raises(DataError, match=msg):
         _loaders(_dataset(5), 1, 1)
 
 
@@ -274,9 +287,18 @@ def test_eval_batches_split_across_ranks_in_order() -> None:
 
 def test_eval_batches_errors() -> None:
     ds = _dataset(3)
-    with pytest.raises(ValueError, match="eval batch size 3 is not a positive multiple of world"):
+    with pytest.raises(DataError, match="eval batch size 3 is not a positive multiple of world"):
         iter_eval_batches(ds, batch_size=3, rank=0, world_size=2)
-    with pytest.raises(ValueError, match=r"validation set has 3 samples .* one eval batch of 4"):
+    msg = (
+        "the token stream has 3 samples of seq_len=3, fewer than one validation batch of "
+        "training.batch_size=4: lower training.batch_size or training.seq_len, or use a larger "
+        "validation file"
+    )
+    with pytest.raises(DataError, match=re.escape(msg)):
         iter_eval_batches(ds, batch_size=4, rank=0, world_size=2)
+    with pytest.raises(DataError, match=re.escape(msg)):
+        count_eval_batches(ds, batch_size=4, world_size=1)
+    assert count_eval_batches(_dataset(13), batch_size=4, world_size=2) == 3
+    assert count_eval_batches(_dataset(13), batch_size=4, world_size=2, max_batches=2) == 2
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world_size=2\)"):
         iter_eval_batches(ds, batch_size=2, rank=2, world_size=2)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from conftest import read_metrics
 from plugtrain_grad_clip import GradClipConfig
 from plugtrain_grad_scaler import GradScalerConfig
 from plugtrain_hook_recorder import HookRecorderConfig
-from runs import run_train_py, tiny_args
+from runs import VALIDATION, run_train_py, tiny_args
 
 from plugtrain.config import JobConfig
+from plugtrain.training.launch import configure, run_cli
+from plugtrain.training.trainer import Trainer
 
 
 def test_short_run_writes_metrics_and_exits_zero(tmp_path):
@@ -37,6 +40,32 @@ def test_missing_data_file_is_one_line(tmp_path):
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "nope.jsonl" in line and "data.train_path" in line
+
+
+def test_a_validation_file_smaller_than_one_batch_stops_before_step_1(tmp_path):
+    # 3 samples of seq_len 32, fewer than one batch of 4: found at start-up, not at step 50.
+    text = json.loads(VALIDATION.read_text().splitlines()[0])["text"][:200]
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": text}) + "\n")
+    args = ["--validation.interval", "50", "--data.validation_path", str(small)]
+    result = run_train_py([*tiny_args(tmp_path / "run", steps=60), *args])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"plugtrain: error: data.validation_path '{small}' has 3 samples of seq_len=32, fewer "
+        "than one validation batch of training.batch_size=4: lower training.batch_size or "
+        "training.seq_len, or use a larger validation file"
+    ]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_training_file_too_small_names_itself(tmp_path, capsys):
+    small = tmp_path / "small.jsonl"
+    small.write_text('{"text": "Exeunt."}\n')
+    argv = [*tiny_args(tmp_path / "run"), "--data.train_path", str(small)]
+    assert run_cli(lambda: Trainer(*configure(argv))) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"plugtrain: error: data.train_path '{small}' has 4 tokens, fewer")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_help_lists_every_section_and_field(tmp_path):

@@ -12,6 +12,10 @@ resumable bit for bit:
    across data-parallel ranks and gradient-accumulation microbatches, with a world-size
    independent ``state_dict``; :func:`iter_eval_batches` does the same, unshuffled, for
    validation.
+
+Every error a user can cause (a file too small for one sample or one batch, a batch size
+that does not divide) is a one-line :class:`DataError` naming the config key and file; the
+trainer meets each while it is built, before step 1 (:func:`count_eval_batches` included).
 """
 
 from __future__ import annotations
@@ -88,21 +92,25 @@ class PackedDataset:
 
     Sample ``i`` covers ``stream[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]``; its inputs are
     the first ``seq_len`` tokens and its targets the last ``seq_len``. The tail of the stream
-    shorter than one sample is dropped.
+    shorter than one sample is dropped. ``source`` names where the stream came from in error
+    messages (``data.validation_path 'val.jsonl'``).
     """
 
-    def __init__(self, stream: torch.Tensor, seq_len: int) -> None:
+    def __init__(
+        self, stream: torch.Tensor, seq_len: int, *, source: str = "the token stream"
+    ) -> None:
         if stream.dim() != 1:
             raise ValueError(f"token stream must be 1-D, got shape {tuple(stream.shape)}")
         if seq_len < 1:
-            raise ValueError(f"seq_len must be at least 1, got {seq_len}: fix training.seq_len")
+            raise DataError(f"training.seq_len must be at least 1, got {seq_len}")
         if stream.numel() < seq_len + 1:
             raise DataError(
-                f"token stream has {stream.numel()} tokens, fewer than the {seq_len + 1} "
-                f"needed for one sample of seq_len={seq_len}: use more data or a smaller "
-                f"training.seq_len"
+                f"{source} has {stream.numel()} tokens, fewer than the {seq_len + 1} needed "
+                f"for one sample of seq_len={seq_len}: lower training.seq_len, or use a "
+                f"larger file"
             )
         self.seq_len = seq_len
+        self.source = source
         num_samples = stream.numel() // (seq_len + 1)
         self._samples = stream[: num_samples * (seq_len + 1)].view(num_samples, seq_len + 1)
 
@@ -126,9 +134,8 @@ def build_dataset(
     path: str | os.PathLike[str], key: str, tokenizer: Tokenizer, field: str, seq_len: int
 ) -> PackedDataset:
     """Load, tokenize and pack the JSONL file at ``path`` (config key ``key``) in one call."""
-    return PackedDataset(
-        tokenize_documents(load_jsonl_texts(path, field, key=key), tokenizer), seq_len
-    )
+    stream = tokenize_documents(load_jsonl_texts(path, field, key=key), tokenizer)
+    return PackedDataset(stream, seq_len, source=f"{key} '{path}'")
 
 
 def _check_rank(rank: int, world_size: int) -> None:
@@ -162,7 +169,7 @@ class StatefulBatchLoader:
     ) -> None:
         _check_rank(rank, world_size)
         if grad_accum_steps < 1:
-            raise ValueError(f"grad_accum_steps must be at least 1, got {grad_accum_steps}")
+            raise DataError(f"training.grad_accum_steps must be at least 1, got {grad_accum_steps}")
         parts = world_size * grad_accum_steps
         if global_batch_size < 1 or global_batch_size % parts:
             raise DataError(
@@ -173,8 +180,8 @@ class StatefulBatchLoader:
         if global_batch_size > len(dataset):
             raise DataError(
                 f"training.batch_size={global_batch_size} exceeds the {len(dataset)} training "
-                f"samples of seq_len={dataset.seq_len}: lower training.batch_size or "
-                f"training.seq_len, or add data"
+                f"samples of seq_len={dataset.seq_len} in {dataset.source}: lower "
+                f"training.batch_size or training.seq_len, or use a larger file"
             )
         self.dataset = dataset
         self.global_batch_size = global_batch_size
@@ -222,19 +229,46 @@ class StatefulBatchLoader:
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Resume from :meth:`state_dict` (possibly saved with another world size)."""
         if set(state_dict) != {"epoch", "position"}:
-            raise ValueError(
+            raise DataError(
                 f"data loader state has keys {sorted(state_dict)}, expected ['epoch', "
                 f"'position']: the checkpoint was not written by StatefulBatchLoader"
             )
         epoch, position = state_dict["epoch"], state_dict["position"]
         if not (isinstance(epoch, int) and isinstance(position, int)):
-            raise ValueError(f"data loader state {state_dict} must hold two ints")
+            raise DataError(f"data loader state {state_dict} must hold two ints")
         if epoch < 0 or not 0 <= position <= len(self.dataset):
-            raise ValueError(
-                f"data loader state {state_dict} is out of range for a dataset of "
-                f"{len(self.dataset)} samples: the checkpoint belongs to other data or seq_len"
+            raise DataError(
+                f"data loader state {state_dict} is out of range for the {len(self.dataset)} "
+                f"samples of {self.dataset.source}: the checkpoint was trained on other data or "
+                f"seq_len; resume with those, or train in another job.dump_folder"
             )
         self._epoch, self._position = epoch, position
+
+
+def count_eval_batches(
+    dataset: PackedDataset, *, batch_size: int, world_size: int, max_batches: int | None = None
+) -> int:
+    """How many validation batches :func:`iter_eval_batches` yields for these arguments.
+
+    The trainer calls it while it is built, so that a validation file too small for one batch
+    stops the run before step 1 rather than at its first validation. Raises a one-line
+    :class:`DataError` when the batch size does not divide or no batch fits.
+    """
+    if batch_size < 1 or batch_size % world_size:
+        raise DataError(
+            f"eval batch size {batch_size} is not a positive multiple of "
+            f"world_size={world_size}: set training.batch_size to a multiple of {world_size}"
+        )
+    if max_batches is not None and max_batches < 1:
+        raise DataError(f"validation.steps must be at least 1, got {max_batches}")
+    num_batches = len(dataset) // batch_size
+    if num_batches == 0:
+        raise DataError(
+            f"{dataset.source} has {len(dataset)} samples of seq_len={dataset.seq_len}, fewer "
+            f"than one validation batch of training.batch_size={batch_size}: lower "
+            f"training.batch_size or training.seq_len, or use a larger validation file"
+        )
+    return num_batches if max_batches is None else min(num_batches, max_batches)
 
 
 def iter_eval_batches(
@@ -252,26 +286,13 @@ def iter_eval_batches(
     (b + 1) * batch_size)``; rank ``r`` gets the ``r``-th contiguous ``batch_size //
     world_size`` of them, in one forward pass. Every rank yields the same number of batches,
     as sharded forward passes require: the remainder shorter than one batch is dropped, and at
-    most ``max_batches`` are yielded. Raises ValueError (right away, not on first iteration)
-    when that leaves no batch at all.
+    most ``max_batches`` are yielded. Raises :class:`DataError` (right away, not on first
+    iteration) when that leaves no batch at all: see :func:`count_eval_batches`.
     """
     _check_rank(rank, world_size)
-    if batch_size < 1 or batch_size % world_size:
-        raise ValueError(
-            f"eval batch size {batch_size} is not a positive multiple of "
-            f"world_size={world_size}: set training.batch_size to a multiple of {world_size}"
-        )
-    if max_batches is not None and max_batches < 1:
-        raise ValueError(f"max_batches must be at least 1 or None, got {max_batches}")
-    num_batches = len(dataset) // batch_size
-    if num_batches == 0:
-        raise ValueError(
-            f"validation set has {len(dataset)} samples of seq_len={dataset.seq_len}, fewer "
-            f"than one eval batch of {batch_size}: lower training.batch_size or training.seq_len, "
-            f"or use a larger validation set"
-        )
-    if max_batches is not None:
-        num_batches = min(num_batches, max_batches)
+    num_batches = count_eval_batches(
+        dataset, batch_size=batch_size, world_size=world_size, max_batches=max_batches
+    )
     per_rank = batch_size // world_size
     starts = (b * batch_size + rank * per_rank for b in range(num_batches))
     return (dataset.collate(range(start, start + per_rank)) for start in starts)

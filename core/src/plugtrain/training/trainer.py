@@ -21,6 +21,7 @@ from plugtrain.data.pipeline import (
     PackedDataset,
     StatefulBatchLoader,
     build_dataset,
+    count_eval_batches,
     iter_eval_batches,
 )
 from plugtrain.data.tokenizer import Tokenizer
@@ -75,6 +76,13 @@ class Trainer:
                 self.tokenizer,
                 config.data.text_field,
                 train_cfg.seq_len,
+            )
+            # Now rather than at the first validation, which may come many steps later.
+            count_eval_batches(
+                self.val_data,
+                batch_size=train_cfg.batch_size,
+                world_size=self.world.world_size,
+                max_batches=config.validation.steps,
             )
         self.loader = StatefulBatchLoader(
             self.train_data,
