@@ -43,6 +43,10 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be resumed from: missing, damaged, or of another model."""
 
 
+class DumpFolderError(UserError):
+    """A ``job.dump_folder`` that is not a folder, cannot be written, or is in use by a run."""
+
+
 def check_field(condition: bool, key: str, message: str) -> None:
     """Raise a :class:`FieldError` for field ``key`` unless ``condition`` holds.
 

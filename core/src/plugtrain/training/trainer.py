@@ -34,6 +34,7 @@ from plugtrain.observability.metrics import MetricsLogger, to_number, write_run_
 from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflops, throughput
 from plugtrain.observability.trace import HookTracer, tracing_requested
 from plugtrain.plugin import SetupContext, StepContext
+from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.optim import build_lr_scheduler, build_optimizer, lr_factor
 from plugtrain.training.stop import StopSignals
 
@@ -53,9 +54,19 @@ class Trainer:
 
     def __init__(self, config: JobConfig, host: PluginHost) -> None:
         self.config, self.host, self.hook = config, host, host.hook
-        train_cfg = config.training
-        self.world: World = init_world(train_cfg.device)
+        self.world: World = init_world(config.training.device)
         setup_logging(self.world.rank, config.metrics.log_all_ranks)
+        # Before anything is written to the folder; a second run must leave it untouched.
+        self.dump_folder_lock = lock_dump_folder(config.job.dump_folder, self.world)
+        try:
+            self._build()
+        except BaseException:
+            self.dump_folder_lock.release()
+            raise
+
+    def _build(self) -> None:
+        """Everything else of the run; ``__init__`` unlocks the dump folder if this fails."""
+        config, host, train_cfg = self.config, self.host, self.config.training
         self.device = self.world.device
         self.param_dtype = DTYPES[train_cfg.mixed_precision_param]
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
@@ -347,10 +358,13 @@ class Trainer:
     def abort(self) -> None:
         """End the run after an error without a collective, since a failed rank may never join
         one: abandon a save in flight, close the run's files (metrics, hook trace), give the
-        signal handlers back (idempotent)."""
-        self.stop.close()
-        self.checkpointer.abort()
-        if self.tracer is not None:
-            self.tracer.close()
-            self.tracer = None
-        self.metrics.close()
+        signal handlers back and unlock the dump folder (idempotent)."""
+        try:
+            self.stop.close()
+            self.checkpointer.abort()
+            if self.tracer is not None:
+                self.tracer.close()
+                self.tracer = None
+            self.metrics.close()
+        finally:
+            self.dump_folder_lock.release()
