@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import checkpoint_workers as cw
 import pytest
@@ -16,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from conftest import read_metrics
 from runs import REPO, run_train_py, tiny_args
+from torch.distributed.checkpoint import FileSystemWriter
 
 from plugtrain.checkpoint.dcp_io import flat_keys, read_checkpoint, to_tensors
 from plugtrain.checkpoint.faults import FAULT_ENV
@@ -375,6 +379,77 @@ def test_refusal_through_train_py_is_one_line_and_exit_2(tmp_path, capsys):
     assert code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("plugtrain: error: checkpoint ") and "another model" in line
+
+
+# --------------------------------------------------------------------------- failed saves
+
+
+def train_py_main(argv: list[str]) -> None:
+    """What train.py's main does, in this process."""
+    trainer = Trainer(*configure(argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+
+
+def save_failure(capsys, folder, argv: list[str]) -> str:
+    """Run ``argv`` through run_cli; its one error line, once the failed save is checked."""
+    capsys.readouterr()
+    assert run_cli(lambda: train_py_main(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("plugtrain: error:")]
+    checkpoints = folder / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == ["step-2"]  # intact; the partial step-4 is gone
+    resumed = cw.build(folder, *CKPT)
+    resumed.close()
+    assert resumed.step == 2
+    return line
+
+
+def failure_message(folder, cause: str) -> str:
+    checkpoints = folder / "checkpoints"
+    return (
+        rf"plugtrain: error: cannot save checkpoint {re.escape(str(checkpoints / 'step-4'))}: "
+        rf"{cause} \([\d.]+ MiB free in {re.escape(str(checkpoints))}\); the previous "
+        r"checkpoints are intact: free space or set job\.dump_folder elsewhere"
+    )
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_failed_save_is_one_line_and_keeps_the_previous_checkpoint(
+    tmp_path, capsys, monkeypatch, async_mode
+):
+    write_data = FileSystemWriter.write_data
+
+    def disk_full_at_step_4(self, plan, planner):
+        if Path(self.path).name != "step-4.partial":
+            return write_data(self, plan, planner)
+        shard = Path(self.path) / "__0_0.distcp"
+        shard.write_bytes(b"half a shard")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(shard))
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full_at_step_4)
+    argv = [*tiny_args(tmp_path, steps=6), *CKPT, "--checkpoint.async_mode", async_mode]
+    line = save_failure(capsys, tmp_path, argv)
+    assert re.fullmatch(failure_message(tmp_path, "No space left on device"), line), line
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_named_as_such(tmp_path, capsys):
+    # torch's zip writer says "unexpected pos 704 vs 598" and nothing of the disk: a real one.
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)],
+                           capture_output=True)  # fmt: skip
+    if mount.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.decode().strip()}")
+    try:  # a checkpoint takes 2 MiB: step-2 fits, step-4 does not
+        line = save_failure(capsys, folder, [*tiny_args(folder, steps=6), *CKPT])
+        assert re.fullmatch(failure_message(folder, "No space left on device"), line), line
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_config_is_validated():

@@ -36,6 +36,7 @@ replaces a complete checkpoint.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -128,6 +129,37 @@ def _interruptible() -> Iterator[None]:
         raise
 
 
+_NEARLY_FULL = 2**20
+"""Free bytes below which a disk counts as full, for a write error that gives no cause."""
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system of ``path`` or its nearest existing parent."""
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)
+    try:
+        return shutil.disk_usage(existing).free
+    except OSError:
+        return None
+
+
+def _write_failure_cause(error: BaseException | None, free: int | None) -> str:
+    """Why writing a checkpoint failed, in a few words (``No space left on device``).
+
+    An OSError says it with its strerror. torch's zip writer reports a full disk as a
+    RuntimeError ("unexpected pos", "file write failed") without an errno: a disk (nearly)
+    full once it failed is taken for the cause then.
+    """
+    failures = getattr(error, "failures", None)
+    cause = next(iter(failures.values()))[0] if failures else error  # DCP: rank -> (error, tb)
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    if free is not None and free < _NEARLY_FULL:
+        return os.strerror(errno.ENOSPC)
+    return one_line(error) if error is not None else "rank 0 could not create its folder"
+
+
 # --------------------------------------------------------------------------- the manager
 
 
@@ -199,30 +231,48 @@ class CheckpointManager:
             self.save(step)
 
     def save(self, step: int) -> None:
-        """Write a checkpoint of the run as it is after ``step``."""
+        """Write a checkpoint of the run as it is after ``step``.
+
+        A save that fails (a full disk) removes its partial folder and raises a one-line
+        :class:`CheckpointError` naming the cause; the complete checkpoints stay as they are.
+        """
         self.wait()
         final = self.folder / f"step-{step}"
         if final.exists():
             raise self._exists_error(final)
         partial = final.with_name(final.name + _PARTIAL)
         start = time.perf_counter()
+        failure: OSError | None = None
         if self.world.is_main:
-            if partial.exists():  # left by a crash while saving this very step
-                shutil.rmtree(partial)
-            partial.mkdir(parents=True)
-            (partial / CONFIG).write_text(json.dumps(self.run_config, indent=2) + "\n")
-        self._barrier(self._control_group)
+            try:
+                if partial.exists():  # left by a crash while saving this very step
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+                (partial / CONFIG).write_text(json.dumps(self.run_config, indent=2) + "\n")
+            except OSError as e:
+                failure = e
+        # Asked of every rank rather than a barrier, so that all stop when rank 0 cannot start.
+        if self._any_rank(failure is not None):
+            raise self._save_failed(final, partial, failure) from failure
         state = self._storable(
             self._state(with_rng=True, plugins=None, optimizer_state=bool(self.optimizer.state))
         )
         writer = FileSystemWriter(partial)
         if self._executor is None:
-            with _interruptible():
-                dcp.save(state, storage_writer=writer)
+            try:
+                with _interruptible():
+                    dcp.save(state, storage_writer=writer)
+            except (Exception, dcp.CheckpointException) as e:
+                raise self._save_failed(final, partial, e) from e
             self._commit(step, partial, final, start, self._control_group)
             return
-        with _interruptible():
-            upload = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+        try:
+            with _interruptible():
+                upload = dcp.async_save(
+                    state, storage_writer=writer, process_group=self._async_group
+                )
+        except (Exception, dcp.CheckpointException) as e:
+            raise self._save_failed(final, partial, e) from e
         logger.info(
             "checkpoint step-%d copied in %.2f s, writing it in the background",
             step,
@@ -235,8 +285,25 @@ class CheckpointManager:
     def _commit_when_written(
         self, upload: Future, step: int, partial: Path, final: Path, start: float
     ) -> None:
-        upload.result()
+        try:
+            upload.result()
+        except (Exception, dcp.CheckpointException) as e:
+            raise self._save_failed(final, partial, e) from e
         self._commit(step, partial, final, start, self._async_group)
+
+    def _save_failed(
+        self, final: Path, partial: Path, error: BaseException | None
+    ) -> CheckpointError:
+        """The one-line error for a failed save, once rank 0 has removed what it wrote."""
+        free = _free_bytes(self.folder)
+        cause = _write_failure_cause(error, free)
+        if self.world.is_main:
+            shutil.rmtree(partial, ignore_errors=True)
+        space = "" if free is None else f" ({free / 2**20:.1f} MiB free in {self.folder})"
+        return CheckpointError(
+            f"cannot save checkpoint {final}: {cause}{space}; the previous checkpoints are "
+            "intact: free space or set job.dump_folder elsewhere"
+        )
 
     def _commit(
         self, step: int, partial: Path, final: Path, start: float, group: dist.ProcessGroup | None
@@ -307,6 +374,14 @@ class CheckpointManager:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is True on any (collective, on the control group)."""
+        if self._control_group is None:
+            return flag
+        vote = torch.tensor([int(flag)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._control_group)
+        return bool(vote.item())
 
     def _barrier(self, group: dist.ProcessGroup | None) -> None:
         if self.world.world_size > 1:
