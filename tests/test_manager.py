@@ -30,6 +30,16 @@ def fake_entry_points(monkeypatch, **targets: str) -> None:
     monkeypatch.setattr(md, "entry_points", entry_points)
 
 
+def fake_distribution(tmp_path, monkeypatch, dist: str, version: str, **targets: str) -> None:
+    """Put a metadata-only distribution ``dist`` providing ``name=module:attr`` on sys.path."""
+    info = tmp_path / "fake_site" / f"{dist}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    entry_points = "".join(f"{name} = {value}\n" for name, value in targets.items())
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{entry_points}")
+    monkeypatch.syspath_prepend(str(tmp_path / "fake_site"))
+
+
 def test_unknown_name_lists_available_plugins():
     with pytest.raises(PluginError) as e:
         PluginHost().load_enabled(["hook_recordr"])
@@ -122,6 +132,39 @@ def test_plugin_under_another_entry_point_name_finds_its_config(monkeypatch, tmp
         trainer.close()
 
 
+@pytest.fixture
+def clashing_grad_clip(tmp_path, monkeypatch):
+    """A second distribution, 'evil-grad-clip' 9.9, that also provides 'grad_clip'."""
+    fake_distribution(tmp_path, monkeypatch, "evil-grad-clip", "9.9", grad_clip="evil:Clip")
+
+
+def test_clash_stops_only_a_run_that_enables_the_name(clashing_grad_clip, tmp_path):
+    providers = installed_plugins()["grad_clip"]
+    assert {p.distribution for p in providers} == {"plugtrain-grad-clip", "evil-grad-clip"}
+    configure([*tiny_args(tmp_path), "--plugins.enabled", "hook_recorder"])  # no error
+    with pytest.raises(PluginError) as e:
+        configure([*tiny_args(tmp_path), "--plugins.enabled", "hook_recorder,grad_clip"])
+    msg = str(e.value)
+    assert msg.startswith("plugin name 'grad_clip' is provided by '")
+    assert "'plugtrain-grad-clip' 0.1.0" in msg and "'evil-grad-clip' 9.9" in msg
+    assert ": pip uninstall all but one of them, or remove 'grad_clip' from" in msg
+    assert "\n" not in msg
+
+
+def test_plugins_command_lists_both_clashing_distributions(clashing_grad_clip, capsys):
+    from plugtrain.cli import main
+
+    assert main(["plugins", "--plugins.enabled", "grad_clip,hook_recorder"]) == 0
+    rows = [line.split(None, 4) for line in capsys.readouterr().out.splitlines()]
+    clip = {row[2]: row for row in rows if row[0] == "grad_clip"}
+    assert set(clip) == {"plugtrain-grad-clip", "evil-grad-clip"}
+    assert clip["evil-grad-clip"][1:4] == ["yes", "evil-grad-clip", "9.9"]
+    assert clip["evil-grad-clip"][4] == (
+        "(clash: 'grad_clip' is also provided by 'plugtrain-grad-clip'; uninstall one)"
+    )
+    assert "setup, pre_backward" in next(row[4] for row in rows if row[0] == "hook_recorder")
+
+
 def test_plugin_config_key_that_does_not_exist():
     with pytest.raises(ConfigError, match=r"unknown config key 'hook_recorder\.vetosteps'"):
         configure(["--plugins.enabled", "hook_recorder", "--hook_recorder.vetosteps", "[1]"])
@@ -179,8 +222,8 @@ def test_installed_distribution_is_discovered_enabled_and_fires(third_party, tmp
     from plugtrain.training.trainer import Trainer
 
     plugins = installed_plugins()
-    assert plugins["tp_on"].distribution == "plugtrain-tp_on"
-    assert plugins["tp_on"].version == "1.2.3"
+    (tp_on,) = plugins["tp_on"]
+    assert (tp_on.distribution, tp_on.version) == ("plugtrain-tp_on", "1.2.3")
     config, host = configure([*tiny_args(tmp_path / "run", steps=2), "--plugins.enabled", "tp_on"])
     trainer = Trainer(config, host)
     trainer.train()

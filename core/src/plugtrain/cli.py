@@ -19,17 +19,26 @@ def list_plugins(config_args: list[str]) -> int:
     """Print every installed plugin: enabled or not, distribution, version, hooks.
 
     Only enabled plugins are imported (to list their hooks); the others are described from
-    their distribution's metadata alone.
+    their distribution's metadata alone. A name that several distributions provide gets one
+    row per distribution, marked as clashing, and none of them is imported.
     """
     enabled = enabled_plugins(merged_values(parse_command_line(config_args)))
     installed = installed_plugins()
     host = PluginHost()
-    host.load_enabled(enabled)
+    # A clashing name cannot be loaded; listing the clash is what this command is for.
+    host.load_enabled([name for name in enabled if len(installed.get(name, ())) < 2])
     rows = [("plugin", "enabled", "distribution", "version", "hooks")]
-    for name, plugin in sorted(installed.items()):
+    for name, providers in sorted(installed.items()):
         on = name in enabled
-        hooks = ", ".join(host.hooks_of(name)) if on else f"(not loaded: {plugin.value})"
-        rows.append((name, "yes" if on else "no", plugin.distribution, plugin.version, hooks))
+        for plugin in providers:
+            if len(providers) > 1:
+                others = ", ".join(f"'{p.distribution}'" for p in providers if p is not plugin)
+                hooks = f"(clash: '{name}' is also provided by {others}; uninstall one)"
+            elif on:
+                hooks = ", ".join(host.hooks_of(name))
+            else:
+                hooks = f"(not loaded: {plugin.value})"
+            rows.append((name, "yes" if on else "no", plugin.distribution, plugin.version, hooks))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[4])

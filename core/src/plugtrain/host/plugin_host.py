@@ -49,9 +49,14 @@ class InstalledPlugin:
     entry_point: md.EntryPoint
 
 
-def installed_plugins() -> dict[str, InstalledPlugin]:
-    """Every plugin installed in this environment, by name, read from metadata only."""
-    found: dict[str, InstalledPlugin] = {}
+def installed_plugins() -> dict[str, list[InstalledPlugin]]:
+    """Every plugin installed in this environment, by name, read from metadata only.
+
+    Each name maps to every distribution that provides it, in discovery order. More than one
+    is a clash, reported only by a run that enables that name (:meth:`PluginHost.load_enabled`):
+    the other plugins, and ``plugtrain plugins``, keep working.
+    """
+    found: dict[str, list[InstalledPlugin]] = {}
     for ep in md.entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist
         plugin = InstalledPlugin(
@@ -61,14 +66,20 @@ def installed_plugins() -> dict[str, InstalledPlugin]:
             version=dist.version if dist else "?",
             entry_point=ep,
         )
-        other = found.get(ep.name)
-        if other is not None and other.distribution != plugin.distribution:
-            raise PluginError(
-                f"plugin name '{ep.name}' is provided by both '{other.distribution}' and "
-                f"'{plugin.distribution}': uninstall one of them"
-            )
-        found[ep.name] = plugin
+        providers = found.setdefault(ep.name, [])
+        # One distribution seen twice (e.g. on two sys.path entries) is not a clash.
+        if all(p.distribution != plugin.distribution for p in providers):
+            providers.append(plugin)
     return found
+
+
+def clash_error(name: str, providers: Sequence[InstalledPlugin]) -> PluginError:
+    """The one-line error for plugin ``name``, which several distributions provide."""
+    both = " and ".join(f"'{p.distribution}' {p.version}" for p in providers)
+    return PluginError(
+        f"plugin name '{name}' is provided by {both}: pip uninstall all but one of them, "
+        f"or remove '{name}' from plugins.enabled"
+    )
 
 
 def _instantiate(name: str, target: Any) -> Any:
@@ -110,7 +121,9 @@ class PluginHost:
                     f"{did_you_mean(name, installed)}; installed plugins: {available} "
                     f"(install the plugin's distribution, or remove '{name}' from plugins.enabled)"
                 )
-            plugin = installed[name]
+            if len(installed[name]) > 1:
+                raise clash_error(name, installed[name])
+            (plugin,) = installed[name]
             try:
                 target = plugin.entry_point.load()
             except Exception as e:
