@@ -8,11 +8,13 @@ from typing import Literal
 import pytest
 
 from plugtrain.config import (
+    _core_sections,
     build_config,
     coerce,
     format_help,
     merged_values,
     parse_command_line,
+    section_doc,
 )
 from plugtrain.errors import ConfigError
 
@@ -124,8 +126,38 @@ def test_help_lists_fields_with_their_docs():
     text = format_help({"ex": ExampleSection})
     assert "--training.mixed_precision_param (" in text
     assert "FSDP2 MixedPrecisionPolicy param_dtype" in text
-    assert "--ex.max_norm (float, default 1.0)" in text
+    assert "--ex.max_norm (float; default 1.0)" in text
     assert "Doc of max_norm." in text
+
+
+@dataclass
+class ChoicesSection:
+    """Doc of the section."""
+
+    mode: Literal["a", "b"] = "a"
+    enabled: bool | Literal["auto"] = "auto"
+    limit: int | None = None
+    names: list[str] = field(default_factory=list)
+
+
+def test_help_lists_the_choices_of_fields_with_fixed_choices():
+    lines = format_help({"ch": ChoicesSection}).splitlines()
+    assert "  --ch.mode (one of 'a', 'b'; default 'a')" in lines
+    assert "  --ch.enabled (bool or 'auto'; default 'auto')" in lines
+    assert "  --ch.limit (int or None; default None)" in lines
+    assert "  --ch.names (list of str; default [])" in lines
+    assert "  --training.device (one of 'auto', 'cpu', 'cuda'; default 'auto')" in lines
+    assert "  --model.flavor (one of 'tiny', 'debug', '1B', '3B', '8B'; default 'debug')" in lines
+
+
+def test_help_prints_each_section_docstring_under_its_heading():
+    lines = format_help({"ch": ChoicesSection, "ex": ExampleSection}).splitlines()
+    assert lines[lines.index("[ch]") + 1] == "  Doc of the section."
+    assert lines[lines.index("[ex]") + 1].startswith("  --ex.")  # none: not the signature
+    for f in _core_sections():
+        doc = section_doc(f.default_factory)
+        assert doc and "\n" not in doc, f"{f.name} needs a one-line class docstring"
+        assert lines[lines.index(f"[{f.name}]") + 1] == f"  {doc}"
 
 
 def test_to_dict_includes_plugin_sections():

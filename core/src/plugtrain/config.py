@@ -14,6 +14,7 @@ import functools
 import inspect
 import itertools
 import math
+import textwrap
 import tomllib
 import types
 import typing
@@ -29,6 +30,8 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 @dataclass
 class JobInfoConfig:
+    """Where the run writes its records, and how it is described."""
+
     dump_folder: str = "outputs/run"
     """Folder the run writes its metrics, resolved config and checkpoints to."""
     description: str = "plugtrain run"
@@ -37,7 +40,9 @@ class JobInfoConfig:
 
 @dataclass
 class ModelConfig:
-    flavor: str = "debug"
+    """The model's size and the tokenizer that sets its vocabulary."""
+
+    flavor: str = field(default="debug", metadata={"choices": tuple(FLAVORS)})
     """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.transformer.FLAVORS``)."""
     tokenizer_path: str = "data/shakespeare/tokenizer.json"
     """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's."""
@@ -52,6 +57,8 @@ class ModelConfig:
 
 @dataclass
 class TrainingConfig:
+    """The run's length, batch and sequence sizes, seed, precision and device."""
+
     steps: int = 200
     """Optimizer steps to train for."""
     batch_size: int = 8
@@ -77,6 +84,8 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
+    """AdamW's settings."""
+
     lr: float = 3e-3
     """Peak learning rate of AdamW, reached after the warmup."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -103,6 +112,8 @@ class OptimizerConfig:
 
 @dataclass
 class LRSchedulerConfig:
+    """The learning-rate schedule: linear warmup, then decay to a floor."""
+
     warmup_steps: int = 20
     """Steps of linear warmup from ~0 to ``optimizer.lr``."""
     decay_type: Literal["cosine", "linear", "constant"] = "cosine"
@@ -125,6 +136,8 @@ class LRSchedulerConfig:
 
 @dataclass
 class DataConfig:
+    """The training and validation documents."""
+
     train_path: str = "data/shakespeare/train.jsonl"
     """JSONL file of training documents, one JSON object per line."""
     validation_path: str = "data/shakespeare/validation.jsonl"
@@ -137,6 +150,8 @@ class DataConfig:
 
 @dataclass
 class ValidationConfig:
+    """How often and on how many batches the validation loss is measured."""
+
     interval: int = 50
     """Evaluate the validation loss every this many steps and at the end; 0 disables it."""
     steps: int = 4
@@ -149,6 +164,8 @@ class ValidationConfig:
 
 @dataclass
 class MetricsConfig:
+    """What the run logs and where: console, metrics.jsonl, TensorBoard, W&B."""
+
     log_freq: int = 10
     """Log a metrics line every this many steps (and on the first and last step)."""
     enable_tensorboard: bool = False
@@ -176,6 +193,8 @@ class MetricsConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Saving checkpoints and resuming from them."""
+
     enable: bool = False
     """Save checkpoints to ``<job.dump_folder>/checkpoints/step-<N>/`` and resume from them: a
     run started again with the same dump folder continues where the last complete one left off."""
@@ -223,6 +242,8 @@ class CheckpointConfig:
 
 @dataclass
 class PluginsConfig:
+    """Which installed plugins the run loads."""
+
     enabled: list[str] = field(default_factory=list)
     """Names of the installed plugins to load, e.g. ``["grad_clip"]``; others are never imported."""
 
@@ -403,11 +424,14 @@ def build_section(cls: type, section: str, values: dict[str, Any]) -> Any:
 
 
 @functools.cache
+def _class_body(cls: type) -> list[ast.stmt]:
+    return ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field of dataclass ``cls`` (for ``--help``)."""
-    body = ast.parse(inspect.getsource(cls)).body[0].body
     docs = {}
-    for node, nxt in itertools.pairwise(body):
+    for node, nxt in itertools.pairwise(_class_body(cls)):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
@@ -417,6 +441,22 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+def section_doc(cls: type) -> str:
+    """The class docstring of config dataclass ``cls``, on one line; "" when it has none.
+
+    Read from the source: ``cls.__doc__`` of a dataclass without a docstring is its signature.
+    """
+    body = _class_body(cls)
+    first = body[0] if body else None
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        return " ".join(first.value.value.split())
+    return ""
 
 
 # --------------------------------------------------------------------------- the command line
@@ -524,6 +564,38 @@ def build_config(
     )
 
 
+def _help_type(f: dataclasses.Field, tp: Any) -> str:
+    """A field's type for ``--help``; fixed choices are listed (``one of 'a', 'b'``)."""
+    choices = f.metadata.get("choices")
+    if choices is None and typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+    if choices is not None:
+        return f"one of {', '.join(map(repr, choices))}"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(
+            "None" if a is type(None) else _choices_name(a) for a in typing.get_args(tp)
+        )
+    if typing.get_origin(tp) is list:
+        return f"list of {_choices_name(typing.get_args(tp)[0])}"
+    return _type_name(tp)
+
+
+def _help_section(lines: list[str], section: str, cls: type) -> None:
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    if doc := section_doc(cls):
+        lines.append(textwrap.fill(doc, 100, initial_indent="  ", subsequent_indent="  "))
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        lines.append(
+            f"  --{section}.{f.name} ({_help_type(f, hints[f.name])}; default {default!r})"
+        )
+        if f.name in docs:
+            lines.append(
+                textwrap.fill(docs[f.name], 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+            )
+
+
 def format_help(plugin_sections: dict[str, type]) -> str:
     """Every section and field with its type, default and docstring."""
     lines = [
@@ -535,13 +607,5 @@ def format_help(plugin_sections: dict[str, type]) -> str:
     sections.update(plugin_sections)
     for section, cls in sections.items():
         lines.append(f"\n[{section}]")
-        docs = field_docs(cls)
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            lines.append(
-                f"  --{section}.{f.name} ({_type_name(hints[f.name])}, default {default!r})"
-            )
-            if f.name in docs:
-                lines.append(f"      {docs[f.name]}")
+        _help_section(lines, section, cls)
     return "\n".join(lines)
