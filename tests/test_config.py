@@ -160,6 +160,16 @@ def test_help_prints_each_section_docstring_under_its_heading():
         assert lines[lines.index(f"[{f.name}]") + 1] == f"  {doc}"
 
 
+def test_help_marks_installed_plugins_that_are_not_enabled():
+    text = format_help({}, {"ex": ExampleSection, "bare": None, "broken": "ImportError: x"})
+    assert "imported for this help only" in text
+    lines = text.splitlines()
+    heading = "[ex] (installed, not enabled: add it to plugins.enabled)"
+    assert lines[lines.index(heading) + 1] == "  --ex.max_norm (float; default 1.0)"
+    assert "[bare] (installed, not enabled: add it to plugins.enabled)" in lines
+    assert "  (cannot be loaded: ImportError: x)" in lines
+
+
 def test_to_dict_includes_plugin_sections():
     cfg = config_from(["--ex.max_norm", "3"], {"ex": ExampleSection})
     d = cfg.to_dict()

@@ -74,6 +74,14 @@ class NeedsArgs:
         self.required = required
 
 
+def test_help_survives_a_broken_plugin_that_is_not_enabled(monkeypatch, capsys):
+    fake_entry_points(monkeypatch, broken="plugtrain_no_such_module_xyz:Plugin")
+    assert configure(["--help"]) is None
+    lines = capsys.readouterr().out.splitlines()
+    heading = lines.index("[broken] (installed, not enabled: add it to plugins.enabled)")
+    assert lines[heading + 1].startswith("  (cannot be loaded: plugin 'broken' (distribution")
+
+
 def test_typo_hook_is_refused_with_suggestion():
     with pytest.raises(PluginError) as e:
         PluginHost().register(TypoPlugin(), "typo")

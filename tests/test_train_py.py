@@ -12,6 +12,7 @@ from plugtrain_hook_recorder import HookRecorderConfig
 from runs import VALIDATION, run_train_py, tiny_args
 
 from plugtrain.config import JobConfig
+from plugtrain.host.plugin_host import installed_plugins
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
 
@@ -90,3 +91,16 @@ def test_help_lists_every_section_and_field(tmp_path):
                 line for line in help_lines if line.startswith(f"  --{section}.{field.name} (")
             ]
             assert len(documented) == 1, f"{section}.{field.name}"
+
+
+def test_help_shows_every_installed_plugin_marked_not_enabled():
+    result = run_train_py(["--help"])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    marked = "(installed, not enabled: add it to plugins.enabled)"
+    assert {f"[{name}] {marked}" for name in installed_plugins()} <= set(lines)
+    shipped = {"grad_clip": GradClipConfig, "hook_recorder": HookRecorderConfig}
+    for name, cls in shipped.items():
+        start = lines.index(f"[{name}] {marked}")
+        for f in dataclasses.fields(cls):
+            assert any(line.startswith(f"  --{name}.{f.name} (") for line in lines[start:]), f.name

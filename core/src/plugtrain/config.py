@@ -596,8 +596,15 @@ def _help_section(lines: list[str], section: str, cls: type) -> None:
             )
 
 
-def format_help(plugin_sections: dict[str, type]) -> str:
-    """Every section and field with its type, default and docstring."""
+def format_help(
+    plugin_sections: dict[str, type], disabled_plugins: dict[str, type | str | None] | None = None
+) -> str:
+    """Every section and field with its type, default and docstring.
+
+    ``plugin_sections`` are the enabled plugins' sections; ``disabled_plugins`` maps each
+    installed plugin that is not enabled to its config dataclass, ``None`` for a plugin
+    without one, or a string saying why it could not be loaded.
+    """
     lines = [
         "usage: train.py [--config FILE] [--section.key VALUE ...]",
         "",
@@ -608,4 +615,18 @@ def format_help(plugin_sections: dict[str, type]) -> str:
     for section, cls in sections.items():
         lines.append(f"\n[{section}]")
         _help_section(lines, section, cls)
+    if disabled_plugins:
+        lines.append(
+            "\nInstalled plugins that are not enabled (imported for this help only, to show\n"
+            "their sections; a run never imports a plugin it does not enable):"
+        )
+    for name, cls in (disabled_plugins or {}).items():
+        heading = f"\n[{name}] (installed, not enabled: add it to plugins.enabled)"
+        if isinstance(cls, type):
+            lines.append(heading)
+            _help_section(lines, name, cls)
+        elif cls is None:
+            lines.append(f"{heading}\n  (no config fields)")
+        else:
+            lines.append(f"{heading}\n  (cannot be loaded: {cls})")
     return "\n".join(lines)

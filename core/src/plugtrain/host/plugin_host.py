@@ -82,6 +82,18 @@ def clash_error(name: str, providers: Sequence[InstalledPlugin]) -> PluginError:
     )
 
 
+def config_section_of(name: str) -> type | None:
+    """The config dataclass installed plugin ``name`` declares, or None if it declares none.
+
+    Imports the plugin and registers it with a host of its own, whose hooks nothing fires, so
+    that it is not enabled anywhere. For ``--help``, which is not a run: a run never imports a
+    plugin it does not enable.
+    """
+    scratch = PluginHost()
+    scratch.load_enabled([name])
+    return scratch.call_each("config_section").get(name)
+
+
 def _instantiate(name: str, target: Any) -> Any:
     """A module is the plugin itself; a class or factory is called once to make it."""
     if callable(target):

@@ -17,8 +17,8 @@ from plugtrain.config import (
     merged_values,
     parse_command_line,
 )
-from plugtrain.errors import UserError
-from plugtrain.host.plugin_host import PluginHost, installed_plugins
+from plugtrain.errors import PluginError, UserError
+from plugtrain.host.plugin_host import PluginHost, config_section_of, installed_plugins
 
 
 def configure(argv: list[str]) -> tuple[JobConfig, PluginHost] | None:
@@ -33,9 +33,24 @@ def configure(argv: list[str]) -> tuple[JobConfig, PluginHost] | None:
     host.load_enabled(enabled_plugins(values))
     sections = host.call_each("config_section")
     if cli.help:
-        print(format_help(sections))
+        print(format_help(sections, _disabled_sections(host.names())))
         return None
     return build_config(values, sections, installed_plugins()), host
+
+
+def _disabled_sections(enabled: list[str]) -> dict[str, type | str | None]:
+    """Each installed plugin that is not enabled: its config section, None, or why it failed.
+
+    Importing them is acceptable for ``--help`` only (it is not a run, and the help says so);
+    a broken or clashing plugin that the run does not enable must not break the help.
+    """
+    disabled: dict[str, type | str | None] = {}
+    for name in sorted(set(installed_plugins()) - set(enabled)):
+        try:
+            disabled[name] = config_section_of(name)
+        except PluginError as e:
+            disabled[name] = str(e)
+    return disabled
 
 
 def run_cli(main: Callable[[], int | None]) -> int:
