@@ -1,7 +1,9 @@
-"""The ``plugtrain`` command.
+"""The plugtrain command: look at the installed plugins and at finished runs.
 
-plugtrain plugins [--config FILE] [--plugins.enabled ...]   # installed plugins and hooks
-plugtrain plot RUN_DIR [RUN_DIR ...] -o metrics.png         # draw and compare runs
+  plugtrain plugins [--config FILE] [--plugins.enabled NAMES]  # installed plugins, their hooks
+  plugtrain plot RUN_DIR [RUN_DIR ...] [-o metrics.png]        # draw and compare runs
+
+Training runs through train.py: python train.py --help lists every config field.
 """
 
 from __future__ import annotations
@@ -46,12 +48,19 @@ def list_plugins(config_args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="plugtrain", description=__doc__)
+    # Raw: the description's command lines must stay one per line, not be refilled.
+    parser = argparse.ArgumentParser(
+        prog="plugtrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "plugins",
+        usage="plugtrain plugins [-h] [--config FILE] [--plugins.enabled NAMES]",
         help="list installed plugins and the hooks they implement",
-        description="Takes --config FILE and --plugins.enabled NAMES, as train.py does.",
+        description="List every installed plugin: whether it is enabled, its distribution, "
+        "version and hooks. Takes --config FILE and --plugins.enabled NAMES, as train.py does, "
+        "to know which plugins are enabled; only those are imported. A name that several "
+        "distributions provide gets one row per distribution, marked as clashing.",
     )
     plot = sub.add_parser(
         "plot",
