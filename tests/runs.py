@@ -45,11 +45,12 @@ def run_train_py(
     *,
     env: dict[str, str] | None = None,
     torchrun_args: tuple[str, ...] = (),
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
     """Run ``train.py`` as a user would: plain python for 1 process, torchrun for more.
 
     ``env`` adds environment variables; ``torchrun_args`` (e.g. ``--max-restarts=1``) go to
-    torchrun, which then runs even for one process.
+    torchrun, which then runs even for one process. ``cwd`` is the folder it is started from.
     """
     if nproc == 1 and not torchrun_args:
         cmd = [sys.executable, str(REPO / "train.py"), *args]
@@ -61,7 +62,7 @@ def run_train_py(
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     with subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd
     ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from conftest import read_metrics
 from plugtrain_grad_clip import GradClipConfig
@@ -67,6 +68,17 @@ def test_a_training_file_too_small_names_itself(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"plugtrain: error: data.train_path '{small}' has 4 tokens, fewer")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_missing_tokenizer_suggests_an_example_that_exists_from_the_cwd(tmp_path):
+    args = [*tiny_args(tmp_path), "--model.tokenizer_path", "nope.json"]
+    result = run_train_py(args, cwd=tmp_path)  # the shipped sample is not under tmp_path
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "tokenizer file 'nope.json' not found: set model.tokenizer_path" in line
+    example = re.search(r"\(e\.g\. (.+)\)$", line)
+    assert example, line
+    assert (tmp_path / example[1]).is_file(), line
 
 
 def test_help_lists_every_section_and_field(tmp_path):

@@ -9,6 +9,7 @@ name their special tokens ``<|begin_of_text|>`` and ``<|end_of_text|>``, so eith
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -19,7 +20,19 @@ from plugtrain.errors import DataError, MissingFileError
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 
-_FIX = "set model.tokenizer_path to a tokenizer.json (e.g. data/shakespeare/tokenizer.json)"
+_SAMPLE = Path("data/shakespeare/tokenizer.json")
+
+
+def _fix() -> str:
+    """How to set model.tokenizer_path, with the shipped sample as example if it exists.
+
+    The sample's path is relative to the repository: run from another folder, it is tried next
+    to the script being run (train.py, at the repository's root), and left out if not found.
+    """
+    for example in (_SAMPLE, Path(sys.argv[0]).resolve().parent / _SAMPLE):
+        if example.is_file():
+            return f"set model.tokenizer_path to a tokenizer.json (e.g. {example})"
+    return "set model.tokenizer_path to a tokenizer.json"
 
 
 class Tokenizer:
@@ -36,7 +49,7 @@ class Tokenizer:
         if eos_id is None:
             raise DataError(
                 f"tokenizer {source!r} has no {EOS_TOKEN!r} token, which marks document ends: "
-                f"{_FIX}, or add that special token when training it"
+                f"{_fix()}, or add that special token when training it"
             )
         self._eos_id: int = eos_id
         self._bos_id: int | None = tokenizer.token_to_id(BOS_TOKEN)
@@ -46,12 +59,12 @@ class Tokenizer:
         """Load a tokenizer.json; raise FileNotFoundError or ValueError naming the path."""
         path = Path(path)
         if not path.is_file():
-            raise MissingFileError(f"tokenizer file '{path}' not found: {_FIX}")
+            raise MissingFileError(f"tokenizer file '{path}' not found: {_fix()}")
         try:
             tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception for any parse error
             raise DataError(
-                f"tokenizer file '{path}' is not a valid tokenizer.json ({e}): {_FIX}"
+                f"tokenizer file '{path}' is not a valid tokenizer.json ({e}): {_fix()}"
             ) from e
         return cls(tokenizer, source=str(path))
 
