@@ -7,6 +7,8 @@ import time
 
 import pluggy
 import pytest
+import torch
+import torch.distributed as dist
 from runs import tiny_args
 
 from plugtrain.errors import ConfigError
@@ -205,16 +207,98 @@ def test_bad_environment_value_is_one_line(monkeypatch):
 def test_summary_table():
     summary = {
         "plugins": {
-            "a": {"post_backward": {"calls": 4, "ms": 2.0}, "pre_step": {"calls": 4, "ms": 1.0}},
-            "b": {"post_backward": {"calls": 4, "ms": 8.0}},
+            "a": {
+                "post_backward": {"calls": 4, "ms": 2.0, "syncs": 4, "collectives": 0,
+                                  "sync_sites": {"Tensor.item at a:3 (post_backward)": 4}},
+                "pre_step": {"calls": 4, "ms": 1.0, "syncs": 0, "collectives": 2},
+            },
+            "b": {"post_backward": {"calls": 4, "ms": 8.0, "syncs": 0, "collectives": 0}},
         },
-        "hooks": {"post_backward": {"calls": 4, "ms": 10.5}, "pre_step": {"calls": 4, "ms": 1.2}},
-    }
+        "hooks": {
+            "post_backward": {"calls": 4, "ms": 10.5, "syncs": 4, "collectives": 0},
+            "pre_step": {"calls": 4, "ms": 1.2, "syncs": 0, "collectives": 2},
+        },
+    }  # fmt: skip
     assert format_summary(summary).splitlines() == [
-        "  plugin        hook           calls  total ms  mean ms",
-        "  a             post_backward      4     2.000   0.5000",
-        "  a             pre_step           4     1.000   0.2500",
-        "  a             (all)              8     3.000   0.3750",
-        "  b             post_backward      4     8.000   2.0000",
-        "  (hook calls)  (all)              8    11.700   1.4625",
+        "  plugin        hook           calls  total ms  mean ms  syncs/call  collectives/call",
+        "  a             post_backward      4     2.000   0.5000        1.00              0.00",
+        "  a             pre_step           4     1.000   0.2500        0.00              0.50",
+        "  a             (all)              8     3.000   0.3750        0.50              0.25",
+        "  b             post_backward      4     8.000   2.0000        0.00              0.00",
+        "  (hook calls)  (all)              8    11.700   1.4625        0.50              0.25",
+        "host syncs, by plugin, hook and site:",
+        "  a post_backward: 4 x Tensor.item at a:3 (post_backward)",
     ]
+
+
+class Reads:
+    """One host read of each kind per step, in three hooks."""
+
+    @hookimpl
+    def post_backward(self, ctx):
+        norm = torch.stack([g.to_local().norm() for g in ctx.gradients()]).norm()
+        bool(norm > 0)
+        float(norm)
+        norm.reshape(1).tolist()
+
+    @hookimpl
+    def pre_step(self, ctx):
+        ctx.loss.item()
+
+    @hookimpl
+    def post_step(self, ctx):
+        pass
+
+
+class AllReduce:
+    @hookimpl
+    def post_step(self, ctx):
+        dist.all_reduce(torch.ones(1))
+
+
+class CountingWrapper:
+    """A wrapper with one read before its ``yield`` and two after."""
+
+    @hookimpl(wrapper=True)
+    def pre_step(self, ctx):
+        ctx.loss.item()
+        result = yield
+        ctx.loss.item()
+        ctx.loss.item()
+        return result
+
+
+def test_trace_counts_each_plugins_syncs_and_collectives(tmp_path, monkeypatch):
+    monkeypatch.setenv(trace.ENV_VAR, "1")
+    config, host = configure(tiny_args(tmp_path, steps=3))
+    plugins = {"reads": Reads(), "all_reduce": AllReduce(), "wrapper": CountingWrapper()}
+    for name, plugin in plugins.items():
+        host.register(plugin, name)
+    trainer = Trainer(config, host)
+    trainer.train()
+    trainer.close()
+    calls, summary = read_trace(tmp_path)
+
+    def costs(plugin: str, hook: str) -> tuple[int, int, int]:
+        t = summary["plugins"][plugin][hook]
+        return t["calls"], t["syncs"], t["collectives"]
+
+    assert costs("reads", "post_backward") == (3, 9, 0)  # bool, float, tolist
+    assert costs("reads", "pre_step") == (3, 3, 0)
+    assert costs("reads", "post_step") == (3, 0, 0)  # a no-op costs nothing
+    assert costs("wrapper", "pre_step") == (3, 9, 0)  # its own code only, not reads'
+    # A world of one process still dispatches c10d ops.
+    assert costs("all_reduce", "post_step") == (3, 0, 3)
+    assert summary["plugins"]["all_reduce"]["post_step"]["collective_ops"] == {"c10d.allreduce_": 3}
+    sites = summary["plugins"]["reads"]["post_backward"]["sync_sites"]
+    assert sorted(site.split(" at ")[0] for site in sites) == [
+        "Tensor.__bool__", "Tensor.__float__", "Tensor.tolist"
+    ]  # fmt: skip
+    assert summary["hooks"]["pre_step"]["syncs"] == 12
+    [pre_step] = [c for c in calls if c["hook"] == "pre_step" and c["step"] == 2]
+    assert (pre_step["syncs"], pre_step["collectives"]) == (4, 0)
+    assert {p["plugin"]: p["syncs"] for p in pre_step["plugins"]} == {"wrapper": 3, "reads": 1}
+    [post_step] = [c for c in calls if c["hook"] == "post_step" and c["step"] == 2]
+    assert {p["plugin"]: p["collectives"] for p in post_step["plugins"]} == {
+        "all_reduce": 1, "reads": 0
+    }  # fmt: skip
