@@ -68,7 +68,11 @@ class Dormant:
 
 
 class SigtermAt:
-    """Sends SIGTERM to its own process in the middle of step ``step`` on rank ``rank``."""
+    """Sends SIGTERM to its own process on rank ``rank`` so that the run stops after ``step``.
+
+    On several processes the ranks' stop vote reads a step late (it never makes a step wait:
+    see training/stop.py), so the signal goes out mid-step ``step - 1`` there.
+    """
 
     def __init__(self, step: int, rank: int) -> None:
         self.step, self.rank, self.my_rank = step, rank, -1
@@ -76,6 +80,7 @@ class SigtermAt:
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
         self.my_rank = ctx.rank
+        self.step -= ctx.world_size > 1
 
     @hookimpl
     def post_backward(self, ctx: StepContext) -> None:

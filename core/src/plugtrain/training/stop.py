@@ -2,7 +2,10 @@
 
 A signal only sets a flag; after each step the ranks vote (:meth:`StopSignals.vote`), so a
 signal that reaches one rank stops every rank after the same step, and the run saves a
-checkpoint (when checkpointing is on), closes its files and exits 0.
+checkpoint (when checkpointing is on), closes its files and exits 0. The vote never makes a
+step wait: each step starts an asynchronous all-reduce of the flags over a CPU (gloo) group
+and reads the one started a step earlier, long finished, so a stop takes effect one step
+after the signal, on every rank alike.
 
 - SIGINT (Ctrl-C) is always handled: the first asks for the stop; it then gives the previous
   handler back, so a second Ctrl-C raises ``KeyboardInterrupt`` at once, without saving.
@@ -19,6 +22,7 @@ import threading
 from types import FrameType
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,6 +42,9 @@ class StopSignals:
         # A CPU (gloo) group for the vote, whatever the training backend: a few bytes over
         # TCP per step, no device synchronisation.
         self._group = dist.new_group(backend="gloo") if world_size > 1 else None
+        # The vote's buffer is read through numpy: it is host memory, never a device value.
+        self._flags = np.zeros(1, dtype=np.int64)
+        self._pending: dist.Work | None = None
 
     def install(self) -> None:
         """Handle the signals from now on (only the main thread can; elsewhere a no-op)."""
@@ -55,15 +62,29 @@ class StopSignals:
             self._restore(signal.SIGINT)
 
     def vote(self) -> signal.Signals | None:
-        """The signal that stops the run after this step, if any rank got one (collective)."""
+        """The signal that stops the run after this step, if any rank had one a step ago.
+
+        Collective: every rank calls it after every step. It waits only for the previous
+        step's all-reduce, which has long finished, then starts this step's.
+        """
         if self._group is None:
             return self.requested
-        vote = torch.tensor([int(self.requested or 0)])
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._group)
-        return signal.Signals(vote.item()) if vote.item() else None
+        stop = None
+        if self._pending is not None:
+            self._pending.wait()
+            stop = signal.Signals(int(self._flags[0])) if self._flags[0] else None
+        self._flags[0] = int(self.requested or 0)
+        self._pending = dist.all_reduce(
+            torch.from_numpy(self._flags), op=dist.ReduceOp.MAX, group=self._group, async_op=True
+        )
+        return stop
 
-    def close(self) -> None:
-        """Give back the handlers :meth:`install` replaced (idempotent)."""
+    def close(self, *, wait: bool = True) -> None:
+        """Give back the handlers :meth:`install` replaced, and with ``wait`` finish the vote in
+        flight (every rank started it; after an error, a peer may never join: no wait)."""
+        if wait and self._pending is not None:
+            self._pending.wait()
+        self._pending = None
         for signum in list(self._previous):
             self._restore(signum)
 

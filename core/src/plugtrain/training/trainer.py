@@ -351,6 +351,7 @@ class Trainer:
         """End the run: finish a save in flight (collective), then as :meth:`abort`. The
         process group is left to the launcher."""
         try:
+            self.stop.close()
             self.checkpointer.close()
         finally:
             self.abort()
@@ -360,7 +361,7 @@ class Trainer:
         one: abandon a save in flight, close the run's files (metrics, hook trace), give the
         signal handlers back and unlock the dump folder (idempotent)."""
         try:
-            self.stop.close()
+            self.stop.close(wait=False)
             self.checkpointer.abort()
             if self.tracer is not None:
                 self.tracer.close()
