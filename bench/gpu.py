@@ -89,13 +89,13 @@ def throughput(
         compile_blocks(trainer.model)
     step = trainer.train_step
     for _ in range(warmup):
-        step(trainer.loader.next_batch())
+        step(trainer.batches.next_batch())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     skipped_before = trainer.skipped_steps
     seconds = []
     for _ in range(steps):
-        batch = trainer.loader.next_batch()
+        batch = trainer.batches.next_batch()
         seconds.append(timed(lambda b: step(b)[0], batch)[0])
     step_s = benchlib.summary(seconds)
     tokens = batch_size * seq_len

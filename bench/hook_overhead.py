@@ -173,7 +173,7 @@ def run_case(
     config, host = configure(train_args)
     trainer = Trainer(config, host)
     hands = [HandWrittenLoop(trainer, same_model) for _ in range(2 if control else 1)]
-    batch = trainer.loader.next_batch()
+    batch = trainer.batches.next_batch()
     steps: list[Callable[[StepBatch], torch.Tensor]] = [
         lambda b: trainer.train_step(b)[0],
         *(hand.train_step for hand in hands),

@@ -45,8 +45,8 @@ def profile_steps(
         flavor, dtype, "--plugins.enabled", ",".join(plugins), batch_size=8, seq_len=64
     )
     trainer = Trainer(*configure(train_args))
-    trainer.train_step(trainer.loader.next_batch())  # lazy initialisations, outside the profile
-    batches = [trainer.loader.next_batch() for _ in range(steps)]
+    trainer.train_step(trainer.batches.next_batch())  # lazy initialisations, outside the profile
+    batches = [trainer.batches.next_batch() for _ in range(steps)]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for batch in batches:
             trainer.train_step(batch)

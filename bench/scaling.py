@@ -63,13 +63,13 @@ def worker(train_args: list[str], threads: int, warmup: int, steps: int) -> dict
     trainer = Trainer(config, host)
     probe = GradBytes()
     trainer.host.register(probe, "bench_grad_bytes")
-    trainer.train_step(trainer.loader.next_batch())
+    trainer.train_step(trainer.batches.next_batch())
     trainer.host.unregister(probe)
     for _ in range(warmup - 1):
-        trainer.train_step(trainer.loader.next_batch())
+        trainer.train_step(trainer.batches.next_batch())
     times = []
     for _ in range(steps):
-        batch = trainer.loader.next_batch()
+        batch = trainer.batches.next_batch()
         start = time.perf_counter()
         trainer.train_step(batch)
         times.append(time.perf_counter() - start)

@@ -180,10 +180,10 @@ def step_costs(tmp_path, *args: str, extra: dict | None = None, steps: int = 2) 
         host.register(plugin, name)
     trainer = Trainer(config, host)
     trainer.model.train()
-    trainer.train_step(trainer.loader.next_batch())  # the first step builds optimizer state
+    trainer.train_step(trainer.batches.next_batch())  # the first step builds optimizer state
     counters = []
     for _ in range(steps):
-        batch = trainer.loader.next_batch()
+        batch = trainer.batches.next_batch()
         with CostCounter() as costs:
             trainer.train_step(batch)
         counters.append(costs)

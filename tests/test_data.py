@@ -19,6 +19,7 @@ from plugtrain.data.pipeline import (
     load_jsonl_texts,
     tokenize_documents,
 )
+from plugtrain.data.prefetch import DevicePrefetcher
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError
 
@@ -302,3 +303,16 @@ def test_eval_batches_errors() -> None:
     assert count_eval_batches(_dataset(13), batch_size=4, world_size=2, max_batches=2) == 2
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, world_size=2\)"):
         iter_eval_batches(ds, batch_size=2, rank=2, world_size=2)
+
+
+def test_prefetcher_resumes_with_the_next_batch_not_the_prefetched_one():
+    (loader,) = _loaders(_dataset(40), world_size=1, grad_accum=1)
+    batches = DevicePrefetcher(loader, torch.device("cpu"))
+    first = _ids(batches.next_batch()[0])
+    batches.prefetch()  # the second step's batch, drawn ahead
+    state = batches.state_dict()
+    second = _ids(batches.next_batch()[0])
+    (fresh,) = _loaders(_dataset(40), world_size=1, grad_accum=1)
+    resumed = DevicePrefetcher(fresh, torch.device("cpu"))
+    resumed.load_state_dict(state)
+    assert _ids(resumed.next_batch()[0]) == second != first

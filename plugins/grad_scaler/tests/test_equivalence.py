@@ -46,7 +46,7 @@ def reference_loop(dump_folder, clip: bool) -> tuple[Trainer, list[float], list[
     scaler = torch.amp.GradScaler("cpu", growth_interval=2)
     scales, norms = [], []
     for step in range(1, STEPS + 1):
-        batch = trainer.loader.next_batch()
+        batch = trainer.batches.next_batch()
         for inputs, targets in batch:
             scaler.scale(cross_entropy(model(inputs), targets) / len(batch)).backward()
         if step in INF_STEPS:

@@ -24,6 +24,7 @@ from plugtrain.data.pipeline import (
     count_eval_batches,
     iter_eval_batches,
 )
+from plugtrain.data.prefetch import DevicePrefetcher
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.distributed import World, all_reduce_mean, init_world
 from plugtrain.host.plugin_host import PluginHost
@@ -95,7 +96,7 @@ class Trainer:
                 world_size=self.world.world_size,
                 max_batches=config.validation.steps,
             )
-        self.loader = StatefulBatchLoader(
+        loader = StatefulBatchLoader(
             self.train_data,
             global_batch_size=train_cfg.batch_size,
             grad_accum_steps=train_cfg.grad_accum_steps,
@@ -104,6 +105,7 @@ class Trainer:
             seed=train_cfg.seed,
             shuffle=config.data.shuffle,
         )
+        self.batches = DevicePrefetcher(loader, self.device)
 
         self.model_args = dataclasses.replace(
             FLAVORS[config.model.flavor],
@@ -146,7 +148,7 @@ class Trainer:
             train_cfg.steps,
             self.model,
             self.optimizer,
-            states={"lr_scheduler": self.lr_scheduler, "data": self.loader, "train": self},
+            states={"lr_scheduler": self.lr_scheduler, "data": self.batches, "train": self},
             host=host,
             run_config=config.to_dict(),
         )
@@ -238,7 +240,6 @@ class Trainer:
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
         for ctx.microbatch, (inputs, targets) in enumerate(batch):
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
             ctx.loss = cross_entropy(self.model(inputs), targets) / len(batch)
             loss_sum += ctx.loss.detach()
             lap("fwd_bwd")
@@ -282,9 +283,11 @@ class Trainer:
         while self.step < cfg.training.steps:
             lr = self.lr_scheduler.get_last_lr()[0]
             self.timer.start_step()
-            batch = self.loader.next_batch()
+            batch = self.batches.next_batch()
             self.timer.lap("data")
             loss, ctx = self.train_step(batch)
+            self.batches.prefetch()
+            self.timer.lap("data")
             if self._due(cfg.metrics.log_freq) or self.step == 1:
                 self._log_step(loss, ctx, lr)
             if self.val_data is not None and self._due(cfg.validation.interval):
