@@ -1,7 +1,9 @@
 """Microseconds per training step spent dispatching plugtrain's step hooks.
 
-Fires the hook sequence of one training step (``pre_backward`` once per microbatch,
-``post_backward``, ``pre_step``, ``post_step``, exactly as ``Trainer.train_step`` does) through
+Fires the hook sequence of one training step (``pre_backward`` once per microbatch, the
+gradient phases ``unscale_gradients``, ``observe_gradients``, ``post_backward`` and
+``pre_step`` with its vetoes combined, then ``post_step``, exactly as ``Trainer.train_step``
+does) through
 ``PluginHost.hook`` with 0, 2 and 10 registered no-op plugins, no model work in between, and
 reports the time per step. A direct Python call of the same no-op functions is the floor:
 pluggy's dispatch is the difference.
@@ -33,9 +35,15 @@ from torch.distributed.tensor import DTensor
 
 from plugtrain.host.plugin_host import PluginHost
 from plugtrain.plugin import StepContext, hookimpl
+from plugtrain.training.vetoes import Vetoes
 
 NAME = "dispatch"
-STEP_HOOKS = ("pre_backward", "post_backward", "pre_step", "post_step")
+STEP_HOOKS = (
+    "pre_backward", "unscale_gradients", "observe_gradients", "post_backward", "pre_step",
+    "post_step",
+)  # fmt: skip
+VETOES = Vetoes(torch.device("cpu"))
+"""Combines the vetoes of the fired steps, as the trainer's does."""
 TARGET_US = 20.0
 
 
@@ -44,6 +52,14 @@ class NoOp:
 
     @hookimpl
     def pre_backward(self, ctx: StepContext) -> None:
+        pass
+
+    @hookimpl
+    def unscale_gradients(self, ctx: StepContext) -> None:
+        pass
+
+    @hookimpl
+    def observe_gradients(self, ctx: StepContext) -> None:
         pass
 
     @hookimpl
@@ -63,14 +79,15 @@ def fire_step(host: PluginHost, ctx: StepContext) -> None:
     """The hook calls of one ``Trainer.train_step``, with the step's own work left out.
 
     NOTE: mirrors the hook calls of ``Trainer.train_step`` line for line (the loop variable,
-    the list of veto reasons), without its step timer's laps; keep the two in step.
+    the combined vetoes), without its step timer's laps; keep the two in step.
     """
     hook, microbatches = host.hook, ctx.num_microbatches
     for ctx.microbatch in range(microbatches):
         hook.pre_backward(ctx=ctx)
+    hook.unscale_gradients(ctx=ctx)
+    hook.observe_gradients(ctx=ctx)
     hook.post_backward(ctx=ctx)
-    ctx.skip_reasons = [r for r in hook.pre_step(ctx=ctx) if r]
-    ctx.skipped = bool(ctx.skip_reasons)
+    ctx.skipped, ctx.skip_reasons = VETOES.combine(host.vetoes(ctx=ctx))
     hook.post_step(ctx=ctx)
 
 
@@ -82,7 +99,7 @@ def direct_caller(host: PluginHost) -> Callable[[StepContext], None]:
     """
     # pluggy calls the implementations in reverse order of get_hookimpls(); each asks for
     # ctx or for nothing.
-    pre_backward, post_backward, pre_step, post_step = (
+    pre_backward, unscale, observe, post_backward, pre_step, post_step = (
         [(i.function, bool(i.argnames)) for i in reversed(getattr(host.hook, name).get_hookimpls())]
         for name in STEP_HOOKS
     )
@@ -92,10 +109,11 @@ def direct_caller(host: PluginHost) -> Callable[[StepContext], None]:
         for ctx.microbatch in range(microbatches):
             for f, takes_ctx in pre_backward:
                 f(ctx=ctx) if takes_ctx else f()
-        for f, takes_ctx in post_backward:
-            f(ctx=ctx) if takes_ctx else f()
-        ctx.skip_reasons = [r for f, t in pre_step if (r := f(ctx=ctx) if t else f())]
-        ctx.skipped = bool(ctx.skip_reasons)
+        for phase in (unscale, observe, post_backward):
+            for f, takes_ctx in phase:
+                f(ctx=ctx) if takes_ctx else f()
+        answers = [a for f, t in pre_step if (a := f(ctx=ctx) if t else f())]
+        ctx.skipped, ctx.skip_reasons = VETOES.combine(dict(answers))
         for f, takes_ctx in post_step:
             f(ctx=ctx) if takes_ctx else f()
 
@@ -314,14 +332,14 @@ def main() -> None:
             r = {
                 "plugins": n_plugins,
                 "grad_accum_steps": accum,
-                "hook_calls_per_step": accum + 3,
+                "hook_calls_per_step": accum + 5,
                 "us_per_step": times["hooks"],
                 "direct_call_us_per_step": times["direct"],
                 "dispatch_us_per_step": difference(times["hooks"], times["direct"]),
             }
             noop.append(r)
             rows.append([
-                n_plugins, accum, accum + 3, min_median(r["us_per_step"]),
+                n_plugins, accum, accum + 5, min_median(r["us_per_step"]),
                 min_median(r["direct_call_us_per_step"]), min_median(r["dispatch_us_per_step"]),
             ])  # fmt: skip
     print("Hook dispatch with no-op plugins, microseconds per step (min / median):\n")

@@ -92,7 +92,7 @@ def throughput(
         step(trainer.batches.next_batch())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    skipped_before = trainer.skipped_steps
+    skipped_before = int(trainer.vetoes.total)
     seconds = []
     for _ in range(steps):
         batch = trainer.batches.next_batch()
@@ -111,7 +111,7 @@ def throughput(
         "seq_len": seq_len,
         "active_plugins": trainer.host.names(),
         "steps": steps,
-        "skipped_steps": trainer.skipped_steps - skipped_before,
+        "skipped_steps": int(trainer.vetoes.total) - skipped_before,
         "step_seconds": step_s,
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token,

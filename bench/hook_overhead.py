@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from plugtrain.model.sharding import build_model
 from plugtrain.training.launch import configure
-from plugtrain.training.optim import build_lr_scheduler, build_optimizer
+from plugtrain.training.optim import LRSchedule, build_optimizer
 from plugtrain.training.trainer import StepBatch, Trainer, cross_entropy
 
 NAME = "hook_overhead"
@@ -92,10 +92,9 @@ class HandWrittenLoop:
                 cfg.training.seed,
             )
             self.optimizer = build_optimizer(self.model, cfg.optimizer, device)
-            self.lr_scheduler = build_lr_scheduler(
-                self.optimizer, cfg.lr_scheduler, cfg.training.steps
-            )
+            self.lr_scheduler = LRSchedule(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         self.params = list(self.model.parameters())
+        self.applied = torch.ones((), dtype=torch.bool, device=device)
         self.scaler = (
             torch.amp.GradScaler(device.type, init_scale=cfg.plugin("grad_scaler").init_scale)
             if trainer.param_dtype == torch.float16
@@ -125,7 +124,7 @@ class HandWrittenLoop:
             self.optimizer.step()
         # NOTE: stepped even when the scaler skipped the optimizer step (plugtrain does not):
         # the canonical loop. No step is skipped in the timed region (see "skipped" in the JSON).
-        self.lr_scheduler.step()
+        self.lr_scheduler.step(self.applied)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum
 
@@ -182,7 +181,7 @@ def run_case(
     for _ in range(warmup):
         for i, step in enumerate(steps):
             losses[i].append(timed(step, batch)[2])
-    skipped_before = [trainer.skipped_steps, *map(_skipped, hands)]
+    skipped_before = [int(trainer.vetoes.total), *map(_skipped, hands)]
     wall: list[list[float]] = [[] for _ in steps]
     cpu: list[list[float]] = [[] for _ in steps]
     for i in benchlib.rounds(n_rounds, len(steps)):
@@ -190,7 +189,7 @@ def run_case(
         wall[i].append(seconds)
         cpu[i].append(cpu_seconds)
         losses[i].append(loss)
-    skipped = [trainer.skipped_steps, *map(_skipped, hands)]
+    skipped = [int(trainer.vetoes.total), *map(_skipped, hands)]
     return {
         "case": case.name,
         "flavor": case.flavor,
@@ -234,7 +233,7 @@ def _skipped(hand: HandWrittenLoop) -> int:
     """Optimizer steps the hand-written loop's scaler skipped so far (AdamW counts its steps)."""
     state = next(iter(hand.optimizer.state.values()), None)
     taken = int(state["step"]) if state else 0
-    return hand.lr_scheduler.last_epoch - taken
+    return int(hand.lr_scheduler.applied_steps) - taken
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

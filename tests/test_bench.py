@@ -92,8 +92,8 @@ def test_dispatch(tmp_path):
         (n, a) for n in (0, 2, 10) for a in (1, 4)
     ]
     for r in results["noop"]:
-        # pre_backward per microbatch, then post_backward, pre_step and post_step.
-        assert r["hook_calls_per_step"] == r["grad_accum_steps"] + 3
+        # pre_backward per microbatch, then the 4 gradient phases and post_step.
+        assert r["hook_calls_per_step"] == r["grad_accum_steps"] + 5
         assert_summary(r["us_per_step"])
         assert_summary(r["direct_call_us_per_step"])
         assert_difference(r["dispatch_us_per_step"], r["us_per_step"], r["direct_call_us_per_step"])
@@ -102,8 +102,8 @@ def test_dispatch(tmp_path):
     fp16 = shipped[("float16", 4)]
     assert sorted(fp16["active_plugins"]) == ["grad_clip", "grad_scaler"]
     assert fp16["hooks_implemented"]["grad_scaler"] == [
-        "config_section", "setup", "pre_backward", "post_backward", "pre_step", "post_step",
-        "step_metrics", "state_dict", "load_state_dict",
+        "config_section", "setup", "pre_backward", "unscale_gradients", "pre_step",
+        "post_step", "step_metrics", "state_dict", "load_state_dict",
     ]  # fmt: skip
     for r in results["shipped"]:
         assert r["hooks_implemented"]["grad_clip"] == [

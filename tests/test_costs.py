@@ -192,22 +192,16 @@ def step_costs(tmp_path, *args: str, extra: dict | None = None, steps: int = 2) 
 
 
 def test_what_a_one_process_step_costs(tmp_path):
-    base, params = step_costs(tmp_path / "base")
+    base, _ = step_costs(tmp_path / "base")
     clip, _ = step_costs(tmp_path / "clip", "--plugins.enabled", "grad_clip")
     control, _ = step_costs(tmp_path / "control", extra={"item": ItemInPreStep()})
     for name, counters in (("no plugins", base), ("grad_clip", clip), ("control", control)):
         print(name, *counters, *counters[-1].sync_sites.items(), sep="\n  ")
-    for costs in base:
-        # On one process FSDP2 and DTensor issue no collective. Every sync is non-fused
-        # AdamW reading each parameter's CPU step counter (fused, on CUDA, reads none).
-        assert costs.collectives == {}
-        assert costs.syncs == {"Tensor.item": params}
-        [site] = costs.sync_sites
-        assert site.startswith("Tensor.item at torch.optim.optimizer:")
-    for costs in clip:
-        assert costs.syncs - base[0].syncs == Counter({"Tensor.item": 1})
-        [added] = set(costs.sync_sites) - set(base[0].sync_sites)
-        assert added.startswith("Tensor.item at plugtrain_grad_clip:") and "(pre_step)" in added
-        assert costs.collectives == {}
+    for costs in [*base, *clip]:
+        # On one process FSDP2 and DTensor issue no collective; the fused AdamW and grad_clip's
+        # device veto read nothing (tests/test_zero_sync.py counts whole runs).
+        assert costs.collectives == {} and costs.syncs == {}
     for costs in control:
-        assert costs.syncs - base[0].syncs == Counter({"Tensor.item": 1})
+        assert costs.syncs == Counter({"Tensor.item": 1})
+        [site] = costs.sync_sites
+        assert site.startswith("Tensor.item at tests.test_costs:") and "(pre_step)" in site

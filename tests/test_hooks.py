@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from conftest import read_metrics
 from runs import tiny_args
+from torch.distributed.tensor import DTensor
 
 from plugtrain.plugin import StepContext, hookimpl
-from plugtrain.training.launch import configure
+from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
 
 
@@ -23,6 +27,8 @@ def expected_calls(steps: int, accum: int, vetoed=()) -> list[tuple]:
     for step in range(1, steps + 1):
         calls += [("pre_backward", step, m, False) for m in range(accum)]
         calls += [
+            ("unscale_gradients", step, accum - 1, False),
+            ("observe_gradients", step, accum - 1, False),
             ("post_backward", step, accum - 1, False),
             ("pre_step", step, accum - 1, False),
             ("post_step", step, accum - 1, step in vetoed),
@@ -67,7 +73,7 @@ class ContextProbe:
 
     @hookimpl
     def post_step(self, ctx: StepContext) -> None:
-        assert ctx.skipped is False and ctx.skip_reasons == []
+        assert not ctx.skipped and ctx.skip_reasons == []
         self.seen.append("post_step")
 
 
@@ -85,8 +91,6 @@ def test_step_context_contents_and_loss_replacement(tmp_path):
     after = [p.detach().full_tensor() for p in trainer.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     # The logged loss is the unscaled one, whatever pre_backward did to ctx.loss.
-    from conftest import read_metrics
-
     losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert all(loss > 5.0 for loss in losses)
 
@@ -102,7 +106,7 @@ def test_veto_skips_optimizer_and_lr_schedule(tmp_path):
         @hookimpl
         def pre_step(self, ctx):
             params[ctx.step] = [p.detach().full_tensor().clone() for p in ctx.parameters()]
-            lrs[ctx.step] = trainer.lr_scheduler.last_epoch
+            lrs[ctx.step] = int(trainer.lr_scheduler.applied_steps)
 
         @hookimpl
         def post_step(self, ctx):
@@ -110,52 +114,103 @@ def test_veto_skips_optimizer_and_lr_schedule(tmp_path):
                 torch.equal(a, p.detach().full_tensor())
                 for a, p in zip(params[ctx.step], ctx.parameters(), strict=True)
             )
-            assert same == ctx.skipped, f"step {ctx.step}: parameters changed={not same}"
-            assert trainer.lr_scheduler.last_epoch == lrs[ctx.step] + (0 if ctx.skipped else 1)
+            assert same == bool(ctx.skipped), f"step {ctx.step}: parameters changed={not same}"
+            applied = int(trainer.lr_scheduler.applied_steps)
+            assert applied == lrs[ctx.step] + (0 if ctx.skipped else 1)
 
     trainer.host.register(Snapshot(), "snapshot")
     trainer.train()
     recorder = trainer.host.get("hook_recorder")
     post = [c for c in recorder.calls if c.hook == "post_step"]
     assert [c.skipped for c in post] == [False, True, False]
-    assert trainer.lr_scheduler.last_epoch == 2  # 3 steps, one vetoed
-    assert trainer.skipped_steps == 1
+    assert int(trainer.lr_scheduler.applied_steps) == 2  # 3 steps, one vetoed
+    assert int(trainer.vetoes.total) == 1
 
 
-class ScaleUnscale:
-    """A stand-in loss scaler: scales the loss, unscales in the core's "run first" slot."""
+class NormReader:
+    """Reads the total gradient norm of each step, keeping it on the device."""
 
-    factor = 1024.0
+    def __init__(self) -> None:
+        self.norms: list[torch.Tensor] = []
 
-    @hookimpl
-    def pre_backward(self, ctx):
-        ctx.loss = ctx.loss * self.factor
-
-    @hookimpl(tryfirst=True)
-    def post_backward(self, ctx):
-        for g in ctx.gradients():
-            g.div_(self.factor)
+    def read(self, ctx: StepContext) -> None:
+        norm = torch.nn.utils.get_total_norm(ctx.gradients(), foreach=True)
+        self.norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
-class GradReader:
-    def __init__(self):
-        self.norms = []
+class NormProbe(NormReader):
+    """A third-party observer, in the observe phase."""
 
     @hookimpl
-    def post_backward(self, ctx):
-        norms = [g.full_tensor().norm() for g in ctx.gradients()]
-        self.norms.append(torch.stack(norms).norm().item())
+    def observe_gradients(self, ctx: StepContext) -> None:
+        self.read(ctx)
 
 
-@pytest.mark.parametrize("scaler_first", [True, False])
-def test_run_first_slot_beats_registration_order(tmp_path, scaler_first):
-    plain = GradReader()
-    make_trainer(tmp_path / "a", extra={"reader": plain}, steps=2).train()
-    reader = GradReader()
-    pair = [("scaler", ScaleUnscale()), ("reader", reader)]
-    extra = dict(pair if scaler_first else pair[::-1])
-    make_trainer(tmp_path / "b", extra=extra, steps=2).train()
-    assert reader.norms == pytest.approx(plain.norms, rel=1e-5)
+class ModifyPhaseProbe(NormReader):
+    """The same reading in the modify phase, where clipping runs too: a control."""
+
+    @hookimpl
+    def post_backward(self, ctx: StepContext) -> None:
+        self.read(ctx)
+
+
+def run_in_order(tmp_path, order: tuple[str, ...], probe: NormReader, *args: str) -> Trainer:
+    """Train 4 steps with the plugins registered exactly in ``order`` ("probe" is ``probe``)."""
+    config, host = configure([
+        *tiny_args(tmp_path, steps=4), "--plugins.enabled", "grad_clip,grad_scaler",
+        "--grad_clip.max_norm", "0.05", *args,
+    ])  # fmt: skip
+    plugins = {name: host.get(name) for name in host.names()} | {"probe": probe}
+    for name in host.names():
+        host.unregister(plugins[name])
+    for name in order:
+        host.register(plugins[name], name)
+    trainer = Trainer(config, host)
+    trainer.train()
+    trainer.close()
+    return trainer
+
+
+TIMINGS = ("time_", "tokens_", "tflops", "memory_")
+
+
+def numbers(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMINGS)} for r in records]
+
+
+FP16_OVERFLOWING = (
+    "--training.mixed_precision_param", "float16", "--grad_scaler.init_scale", "1e6",
+    "--grad_scaler.growth_interval", "1",
+)  # fmt: skip
+"""float16 with a scale that overflows at first: steps skip, the scale backs off and grows."""
+
+
+def test_gradient_phases_make_every_plugin_order_give_the_same_run(tmp_path):
+    runs = []
+    for i, order in enumerate(itertools.permutations(("probe", "grad_clip", "grad_scaler"))):
+        probe = NormProbe()
+        trainer = run_in_order(tmp_path / str(i), order, probe, *FP16_OVERFLOWING)
+        params = [p.detach().full_tensor() for p in trainer.model.parameters()]
+        runs.append((order, probe.norms, params, numbers(read_metrics(tmp_path / str(i)))))
+    (_, norms, params, records), *others = runs
+    assert 0 < int(records[-1]["skipped_steps"]) < 4  # the scaler skipped, and stepped
+    assert max(n for n in norms if n.isfinite()) > 0.05  # the true norms, which grad_clip clips
+    for order, other_norms, other_params, other_records in others:
+        assert all(torch.equal(a, b) for a, b in zip(norms, other_norms, strict=True)), order
+        assert all(torch.equal(a, b) for a, b in zip(params, other_params, strict=True)), order
+        assert other_records == records, order
+
+
+def test_an_observer_in_the_modify_phase_depends_on_the_order(tmp_path):
+    """The control: read in post_backward, the norm is clipped or not by registration order."""
+    seen = []
+    for i, order in enumerate([("probe", "grad_clip"), ("grad_clip", "probe")]):
+        probe = ModifyPhaseProbe()
+        run_in_order(tmp_path / str(i), (*order, "grad_scaler"), probe)
+        seen.append(torch.stack(probe.norms))
+    # pluggy calls the plugin registered last first: grad_clip, then the probe, in order 0.
+    assert torch.allclose(seen[0], torch.tensor(0.05))
+    assert (seen[1] > 0.5).all()
 
 
 def test_deactivated_plugin_never_fires_again(tmp_path):
@@ -179,3 +234,47 @@ def test_deactivated_plugin_never_fires_again(tmp_path):
 def test_float16_without_loss_scaler_warns(tmp_path):
     with pytest.warns(UserWarning, match="no enabled plugin scales the loss.*'grad_scaler'"):
         make_trainer(tmp_path, "--training.mixed_precision_param", "float16", steps=1)
+
+
+class BadVeto:
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+
+    @hookimpl
+    def pre_step(self):
+        return self.answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "what"),
+    [
+        (1.0, "float 1.0"),
+        (torch.tensor(True).expand(2), "a torch.bool tensor of shape [2]"),
+        (torch.tensor(1.0), "a torch.float32 tensor of shape []"),
+    ],
+)
+def test_a_wrong_veto_is_a_one_line_error_naming_the_plugin_and_the_hook(
+    tmp_path, capsys, answer, what
+):
+    trainer = make_trainer(tmp_path, extra={"bad": BadVeto(answer)}, steps=2)
+    assert run_cli(trainer.train) == 2
+    trainer.abort()
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert line == (
+        f"plugtrain: error: plugin 'bad': pre_step returned {what}; return None, a reason "
+        "string, or a 0-d bool tensor on the training device (true: skip the step)"
+    )
+
+
+def test_a_device_veto_skips_without_a_reason_and_counts_for_its_plugin(tmp_path):
+    class SkipEven:
+        @hookimpl
+        def pre_step(self, ctx):
+            return torch.tensor(ctx.step % 2 == 0)
+
+    trainer = make_trainer(tmp_path, extra={"even": SkipEven()}, steps=4)
+    trainer.train()
+    assert int(trainer.vetoes.total) == 2 and int(trainer.vetoes.by_plugin["even"]) == 2
+    assert int(trainer.lr_scheduler.applied_steps) == 2
+    records = read_metrics(tmp_path / "run")
+    assert [r["skipped_steps.even"] for r in records] == [0, 1, 1, 2]

@@ -250,5 +250,8 @@ def test_plugins_command_lists_without_importing_disabled(third_party, capsys):
     assert lines["tp_on"].endswith("post_step")
     assert lines["tp_off"].split()[1] == "no"
     assert "(not loaded: plugtrain_tp_off)" in lines["tp_off"]
-    assert "setup, pre_backward, post_backward, pre_step, post_step" in lines["hook_recorder"]
+    assert (
+        "setup, pre_backward, unscale_gradients, observe_gradients, post_backward, pre_step, "
+        "post_step" in lines["hook_recorder"]
+    )
     assert "plugtrain_tp_off" not in sys.modules

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from conftest import read_metrics
 from runs import tiny_args
 
@@ -55,11 +56,12 @@ def test_validation_loss_is_logged_on_schedule(tmp_path):
 )
 def test_lr_schedule_warms_up_then_decays(decay, expected):
     cfg = LRSchedulerConfig(warmup_steps=2, decay_type=decay, min_lr_ratio=0.1)
-    got = [lr_factor(step, cfg, total_steps=4) for step in range(6)]
+    got = [lr_factor(torch.tensor(step), cfg, total_steps=4).item() for step in range(6)]
     assert got == pytest.approx(expected)
 
 
 def test_cosine_is_halfway_at_half_the_decay():
     cfg = LRSchedulerConfig(warmup_steps=0, decay_type="cosine", min_lr_ratio=0.0)
-    assert lr_factor(50, cfg, total_steps=100) == pytest.approx(0.5)
-    assert lr_factor(25, cfg, total_steps=100) == pytest.approx((1 + math.cos(math.pi / 4)) / 2)
+    half, quarter = (lr_factor(torch.tensor(s), cfg, total_steps=100).item() for s in (50, 25))
+    assert half == pytest.approx(0.5)
+    assert quarter == pytest.approx((1 + math.cos(math.pi / 4)) / 2)

@@ -29,7 +29,7 @@ class StepWatcher:
         self.changed[ctx.step] = not all(
             torch.equal(a, b) for a, b in zip(self.before, after, strict=True)
         )
-        self.lr_steps[ctx.step] = self.trainer_ref[0].lr_scheduler.last_epoch
+        self.lr_steps[ctx.step] = int(self.trainer_ref[0].lr_scheduler.applied_steps)
 
 
 def veto_on_every_rank(dump_folder: str) -> dict:

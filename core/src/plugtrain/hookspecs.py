@@ -4,22 +4,30 @@ This module is plugtrain's plugin API; the trainer is written against it and plu
 it with :data:`plugtrain.plugin.hookimpl`. A training step fires, in this order::
 
     for each microbatch:  forward -> pre_backward -> loss.backward()
-    post_backward                       # once, gradients complete
-    pre_step                            # once, any plugin may veto
-    optimizer.step(); lr_scheduler.step()   # unless vetoed
-    post_step                           # once, with whether the step was skipped
-    step_metrics                        # on logging steps only
+    unscale_gradients        # gradient phase 1, make true: a loss scaler unscales
+    observe_gradients        # gradient phase 2, observe: read-only (statistics, norms, spikes)
+    post_backward            # gradient phase 3, modify: clipping and other gradient transforms
+    pre_step                 # gradient phase 4, decide: any plugin may veto, on the device
+    optimizer.step(); LR schedule advances   # unless vetoed (applied on the device)
+    post_step                # with the step's skip flag, a 0-d bool tensor
+    step_metrics             # on logging steps only
 
-Ordering rules (pluggy's, made part of the contract):
+Ordering rules:
 
 * Registration order is **not** part of the contract: entry points load in an unstable order,
-  and every result here must be the same whichever order plugins were registered in.
-* ``post_backward`` has a "run first" slot: an implementation marked
-  ``@hookimpl(tryfirst=True)`` runs before every plain one. It is reserved for plugins that put
-  the gradients into their true value (the loss scaler unscales there), so that every plain
-  ``post_backward`` implementation (clipping, gradient statistics) sees true gradients. Use it
-  for nothing else; two "run first" plugins must not depend on each other's order.
+  and every result must be the same whichever order plugins were registered in. The gradient
+  phases are what makes that hold: each phase is a hook of its own, so every observer sees the
+  true, unclipped gradients and every decision sees the modified ones, whatever the order of
+  the plugins. Within a phase the order is unspecified: implementations of one phase must not
+  depend on each other (two loss scalers are refused; two gradient transforms must commute).
+  ``tryfirst``/``trylast`` are not part of the contract.
 * A hook that raises stops the step; the exception reaches the trainer and ends the run.
+
+No host syncs: the step hooks run while the device may still be computing. Reading a device
+value on the host (``.item()``, ``bool(t)``, ``float(t)``, ``.tolist()``, a print) makes the host
+wait for the device and stalls the step. Keep step hooks to device work; veto with a 0-d bool
+tensor (``pre_step``), report with tensors (``step_metrics``, read on logging steps only).
+``metrics.trace_hooks`` counts each plugin's syncs and collectives per hook.
 
 Every hook is called with keyword arguments; an implementation may accept any subset of the
 arguments its spec names (pluggy checks this at registration) and must not ask for others.
@@ -34,6 +42,8 @@ import pluggy
 from plugtrain.plugin import PROJECT_NAME
 
 if TYPE_CHECKING:
+    import torch
+
     from plugtrain.plugin import Metrics, SetupContext, StepContext
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -74,25 +84,51 @@ def pre_backward(ctx: StepContext) -> None:
 
 
 @hookspec
-def post_backward(ctx: StepContext) -> None:
-    """Fires once per optimizer step, after the last microbatch's backward, when the gradients
-    are complete: FSDP2's reduce-scatter has finished and each rank holds its gradient shards
-    (DTensors, averaged over ranks, in the parameters' dtype).
+def unscale_gradients(ctx: StepContext) -> None:
+    """Gradient phase 1, make true: put the gradients into their true value.
 
-    Plugins may read and modify the gradients in place. The ``tryfirst=True`` slot is reserved
-    for making gradients true (unscaling); plain implementations see true gradients.
+    Fires once per optimizer step, after the last microbatch's backward, when the gradients are
+    complete: FSDP2's reduce-scatter has finished and each rank holds its gradient shards
+    (DTensors, averaged over ranks). Only a loss scaler implements it: it divides the gradients
+    by the scale it multiplied the loss by in ``pre_backward`` (and finds inf/nan). Every later
+    phase sees true gradients.
     """
 
 
 @hookspec
-def pre_step(ctx: StepContext) -> str | None:
-    """Fires once per step, right before ``optimizer.step()``. Return a reason to veto the step.
+def observe_gradients(ctx: StepContext) -> None:
+    """Gradient phase 2, observe: read the true gradients, before anything modifies them.
 
-    If any implementation returns a non-empty string, the trainer skips ``optimizer.step()``
-    and ``lr_scheduler.step()`` (the step counter still advances) and tells every plugin in
-    ``post_step``. The core does not synchronise vetoes across ranks: base a veto on values
-    that are already global (an all-reduced norm, a synchronised inf flag), so that every rank
-    takes the same decision.
+    Fires once per optimizer step, after ``unscale_gradients``. Read-only: compute statistics,
+    norms, spike detection, keeping the results on the device. Never modify a gradient here:
+    every observer must see the same, unclipped gradients whatever the plugins' order.
+    """
+
+
+@hookspec
+def post_backward(ctx: StepContext) -> None:
+    """Gradient phase 3, modify: transform the gradients in place (clipping).
+
+    Fires once per optimizer step, after ``observe_gradients``. The gradients are true (a loss
+    scaler has unscaled them) and are DTensor shards, in fp32 under FSDP2's mixed precision.
+    Modify them in place; implementations of this phase must commute (their results may not
+    depend on which runs first).
+    """
+
+
+@hookspec
+def pre_step(ctx: StepContext) -> str | torch.Tensor | None:
+    """Gradient phase 4, decide: return a veto to skip this step's optimizer update.
+
+    Fires once per step, right before ``optimizer.step()``. Return None to let the step run, a
+    0-d bool tensor on the training device (true: skip) for a decision computed from device
+    values (an inf flag, a norm), or a non-empty string for a decision the host already knows,
+    giving the reason. The trainer combines every veto on the device and applies the skip
+    without reading it (the fused optimizer's ``found_inf``); a skipped step changes neither
+    the parameters, the optimizer state nor the learning-rate schedule, and the step counter
+    still advances. Anything else returned is a plugin error. The core does not synchronise
+    vetoes across ranks: base a veto on values that are already global (an all-reduced norm, a
+    synchronised inf flag), so that every rank takes the same decision.
     """
 
 
@@ -100,8 +136,9 @@ def pre_step(ctx: StepContext) -> str | None:
 def post_step(ctx: StepContext) -> None:
     """Fires once per step, after ``optimizer.step()`` or its skip, before gradients are zeroed.
 
-    ``ctx.skipped`` says whether the step was vetoed and ``ctx.skip_reasons`` why. A loss scaler
-    updates its scale here.
+    ``ctx.skipped`` is a 0-d bool tensor on the device: whether any veto skipped the step (use
+    it in device arithmetic; reading it is a host sync). ``ctx.skip_reasons`` lists the string
+    vetoes. A loss scaler updates its scale here.
     """
 
 

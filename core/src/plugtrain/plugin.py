@@ -127,10 +127,11 @@ class StepContext:
     """In ``pre_backward``: the scalar tensor ``backward()`` will run on (already divided by
     ``num_microbatches``). A plugin may replace it (the loss scaler multiplies it). The loss the
     trainer logs is taken before the hook, so it is never affected."""
-    skipped: bool = False
-    """In ``post_step``: whether ``pre_step`` vetoed the optimizer step."""
+    skipped: torch.Tensor | None = None
+    """In ``post_step``: whether a veto skipped the optimizer step, a 0-d bool tensor on the
+    device (reading it on the host is a sync: use it in device arithmetic)."""
     skip_reasons: list[str] = field(default_factory=list)
-    """In ``post_step``: the reasons of every veto, empty if the step ran."""
+    """In ``post_step``: the reasons of the string vetoes (device vetoes give none)."""
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The model's parameters (FSDP2 DTensors, sharded over the mesh)."""

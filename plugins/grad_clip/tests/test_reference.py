@@ -17,7 +17,7 @@ from plugtrain.data.pipeline import StatefulBatchLoader, build_dataset
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.model.transformer import FLAVORS, Transformer
 from plugtrain.training.launch import configure
-from plugtrain.training.optim import build_lr_scheduler
+from plugtrain.training.optim import LRSchedule, build_optimizer
 from plugtrain.training.trainer import cross_entropy
 
 STEPS = 4
@@ -52,12 +52,8 @@ def reference_run(
         )
     )
     model.init_weights(seed=train.seed)
-    opt = config.optimizer
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-        weight_decay=opt.weight_decay,
-    )  # fmt: skip
-    scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, train.steps)
+    optimizer = build_optimizer(model, config.optimizer, torch.device("cpu"))
+    scheduler = LRSchedule(optimizer, config.lr_scheduler, train.steps)
     norms = []
     for _ in range(train.steps):
         ((inputs, targets),) = loader.next_batch()
@@ -66,7 +62,7 @@ def reference_run(
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
             norms.append(norm.item())
         optimizer.step()
-        scheduler.step()
+        scheduler.step(torch.tensor(True))
         optimizer.zero_grad(set_to_none=True)
     return norms, {n: p.detach() for n, p in model.named_parameters()}
 

@@ -37,8 +37,7 @@ def test_the_profiler_sees_the_active_plugins_work(tmp_path):
     assert plain_ops[UNSCALE] == 0
     # Per step, one foreach call over all (fp32) gradients: the DTensor op and its local kernel.
     assert auto_ops[UNSCALE] == 2 * PROFILED_STEPS
-    # GradScaler.step's one .item() per step, plus the loss_scale metric on the 2 logged steps.
-    assert auto_ops[SYNC] == plain_ops[SYNC] + PROFILED_STEPS + 2
+    # Its host syncs (none per step) are counted by tests/test_zero_sync.py.
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ usually a class, whose result is registered (so a plugin can keep per-run state 
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -163,6 +164,18 @@ class PluginHost:
                     f"{did_you_mean(hook_name, self.hook_names())}; hooks: "
                     f"{', '.join(self.hook_names())}"
                 )
+        for impl in self._impls("pre_step"):
+            if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                impl.function = _named_answer(name, impl.function)
+
+    def vetoes(self, **kwargs: Any) -> dict[str, Any]:
+        """Fire ``pre_step`` and return each plugin's non-None answer by plugin name.
+
+        It goes through pluggy, wrappers and call monitoring included: each plain
+        implementation's answer comes back tagged with its plugin's name (``register`` does
+        that), so that a wrong answer, and every veto, is told by plugin.
+        """
+        return dict(self.hook.pre_step(**kwargs))
 
     def _implemented(self, plugin: object) -> list[str]:
         return [caller.name for caller in self.pm.get_hookcallers(plugin) or []]
@@ -279,3 +292,14 @@ class PluginHost:
 
     def _impls(self, hook_name: str) -> list[pluggy.HookImpl]:
         return getattr(self.hook, hook_name).get_hookimpls()
+
+
+def _named_answer(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, returning ``(name, answer)`` for a non-None answer."""
+
+    @functools.wraps(function)
+    def named(*args: Any, **kwargs: Any) -> Any:
+        answer = function(*args, **kwargs)
+        return None if answer is None else (name, answer)
+
+    return named

@@ -21,7 +21,8 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a compact line to the console
                                   ``pre_step``, ``post_step``)
 ``time_optimizer_s``              ``optimizer.step()``, LR scheduler and ``zero_grad``
 ``memory_gib``                    peak memory: CUDA max allocated, or the CPU's max RSS
-``skipped_steps``                 steps vetoed so far
+``skipped_steps``                 steps vetoed so far (read on logging steps only)
+``skipped_steps.<plugin>``        steps that plugin vetoed since the process started
 ================================  ============================================================
 
 Throughput and times are means over the steps since the previous logged step. Validation writes
@@ -142,7 +143,12 @@ def format_line(record: Mapping[str, Any], color: bool = False) -> str:
         )
         parts.append(("dim", f"time {_ms(record['time_step_s'])}ms ({split})"))
     if record.get("skipped_steps"):
-        parts.append(("red", f"skipped {record['skipped_steps']}"))
+        by = ", ".join(
+            f"{k.removeprefix('skipped_steps.')} {v}"
+            for k, v in record.items()
+            if k.startswith("skipped_steps.") and v
+        )
+        parts.append(("red", f"skipped {record['skipped_steps']}" + (f" ({by})" if by else "")))
     return " | ".join(
         f"\x1b[{_COLORS[style]}m{text}{_RESET}" if color and style else text
         for style, text in parts

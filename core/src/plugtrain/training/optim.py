@@ -1,13 +1,19 @@
-"""The optimizer and its schedule: AdamW, linear warmup, then cosine or linear decay."""
+"""The optimizer and its schedule: fused AdamW, warmup then decay, all on the device.
+
+The schedule never reads the device: the learning rate is a tensor in the optimizer's param
+group, and it is computed on the device from the number of optimizer steps actually applied,
+itself counted on the device (a vetoed step adds 0). So a step whose veto is known only on the
+device still leaves the schedule where it was, without a host sync.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
 
 from plugtrain.config import LRSchedulerConfig, OptimizerConfig
 
@@ -15,59 +21,78 @@ from plugtrain.config import LRSchedulerConfig, OptimizerConfig
 def build_optimizer(
     model: nn.Module, cfg: OptimizerConfig, device: torch.device
 ) -> torch.optim.AdamW:
-    """AdamW over every parameter of ``model``, fused on CUDA."""
+    """Fused AdamW over every parameter of ``model``, on every device.
+
+    Fused, because its kernel takes the step's skip flag (``found_inf``) on the device, and it
+    is the fastest AdamW on CPU too. The learning rate is a float32 tensor on ``device``, which
+    :class:`LRSchedule` updates in place.
+    """
     return torch.optim.AdamW(
         model.parameters(),
-        lr=cfg.lr,
+        lr=torch.tensor(cfg.lr, dtype=torch.float32, device=device),
         betas=tuple(cfg.betas),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        fused=device.type == "cuda",
+        fused=True,
     )
 
 
-def lr_factor(step: int, cfg: LRSchedulerConfig, total_steps: int) -> float:
-    """The multiplier of the peak LR for the optimizer step that follows ``step`` taken steps.
+def lr_factor(step: torch.Tensor, cfg: LRSchedulerConfig, total_steps: int) -> torch.Tensor:
+    """The multiplier of the peak LR for the optimizer step that follows ``step`` applied steps.
 
     Warmup rises linearly to 1 at the end of ``cfg.warmup_steps``; then the factor decays to
-    ``cfg.min_lr_ratio`` at ``total_steps``.
+    ``cfg.min_lr_ratio`` at ``total_steps`` and stays there. Computed in float64 on ``step``'s
+    device, with tensor operations only.
     """
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    s = step.to(torch.float64)
+    warmup = cfg.warmup_steps
+    progress = ((s - warmup) / max(1, total_steps - warmup)).clamp(0.0, 1.0)
     if cfg.decay_type == "cosine":
-        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+        decay = 0.5 * (1.0 + torch.cos(math.pi * progress))
     elif cfg.decay_type == "linear":
         decay = 1.0 - progress
     else:
-        decay = 1.0
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+        decay = torch.ones_like(progress)
+    factor = cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+    if warmup:
+        factor = torch.where(s < warmup, (s + 1.0) / warmup, factor)
+    return factor
 
 
-class PlannedLR(LambdaLR):
-    """A ``LambdaLR`` over :func:`lr_factor` whose length, ``total_steps``, is part of its state.
+class LRSchedule:
+    """Sets each param group's learning rate (a tensor) from the applied-step count.
 
-    ``LambdaLR.state_dict`` saves every attribute but the optimizer and the lambdas, and its
-    ``load_state_dict`` restores them; the lambda reads ``total_steps`` at each call, so a
-    resumed run keeps the length its schedule was planned for, whatever its ``training.steps``.
+    ``step(applied)`` adds ``applied`` (a 0-d bool or int tensor: 0 for a vetoed step) to the
+    count and updates the learning rates in place, on the device. Its state, for checkpoints,
+    is the count and the number of steps the schedule was planned for.
     """
 
     def __init__(self, optimizer: Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> None:
-        self.total_steps = total_steps
-        """The optimizer steps the decay spans; after them the factor stays at its final value."""
+        self.optimizer, self.cfg, self.total_steps = optimizer, cfg, total_steps
+        self.peaks = [group["lr"].clone() for group in optimizer.param_groups]
+        self.applied_steps = torch.zeros((), dtype=torch.int64, device=self.peaks[0].device)
+        """Optimizer steps applied so far (vetoed ones not counted), on the device."""
+        self._update()
 
-        def factor(step: int) -> float:
-            return lr_factor(step, cfg, self.total_steps)
+    def step(self, applied: torch.Tensor) -> None:
+        """Count one more step if ``applied`` (on the device), and set the next step's LR."""
+        self.applied_steps += applied
+        self._update()
 
-        # Set before: LambdaLR's constructor already calls the lambda.
-        super().__init__(optimizer, factor)
+    def _update(self) -> None:
+        factor = lr_factor(self.applied_steps, self.cfg, self.total_steps)
+        # The groups are looked up each time: loading an optimizer state replaces them.
+        for group, peak in zip(self.optimizer.param_groups, self.peaks, strict=True):
+            group["lr"].copy_(peak * factor)
 
+    def last_lr(self) -> torch.Tensor:
+        """The learning rate of the next step (first param group), a 0-d tensor."""
+        return self.optimizer.param_groups[0]["lr"]
 
-def build_lr_scheduler(optimizer: Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> PlannedLR:
-    """The schedule of :func:`lr_factor` over ``total_steps``; its ``last_epoch`` counts the
-    steps taken.
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied_steps": self.applied_steps, "total_steps": self.total_steps}
 
-    A vetoed step does not call ``scheduler.step()``, so the schedule follows the
-    optimizer steps that really happened, not the loop counter.
-    """
-    return PlannedLR(optimizer, cfg, total_steps)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.applied_steps.copy_(state_dict["applied_steps"])
+        self.total_steps = int(state_dict["total_steps"])
+        self._update()

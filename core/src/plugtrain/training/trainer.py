@@ -36,8 +36,9 @@ from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflo
 from plugtrain.observability.trace import HookTracer, tracing_requested
 from plugtrain.plugin import SetupContext, StepContext
 from plugtrain.training.dump_folder import lock_dump_folder
-from plugtrain.training.optim import build_lr_scheduler, build_optimizer, lr_factor
+from plugtrain.training.optim import LRSchedule, build_optimizer, lr_factor
 from plugtrain.training.stop import StopSignals
+from plugtrain.training.vetoes import Vetoes
 
 logger = logging.getLogger("plugtrain")
 
@@ -106,7 +107,6 @@ class Trainer:
             shuffle=config.data.shuffle,
         )
         self.batches = DevicePrefetcher(loader, self.device)
-
         self.model_args = dataclasses.replace(
             FLAVORS[config.model.flavor],
             vocab_size=self.tokenizer.vocab_size,
@@ -123,12 +123,12 @@ class Trainer:
         self.params = tuple(self.model.parameters())
         """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.lr_scheduler, train_cfg.steps)
+        self.lr_scheduler = LRSchedule(self.optimizer, config.lr_scheduler, train_cfg.steps)
+        self.vetoes = Vetoes(self.device)
         self.step = 0
         """Optimizer steps completed (vetoed ones included)."""
         self.tokens_seen = 0
         """Training tokens consumed, over all ranks."""
-        self.skipped_steps = 0
         self.metrics = MetricsLogger(config, enabled=self.world.is_main)
         self.timer = StepTimer(self.device)
         # Only rank 0 logs metrics, so only it looks the peak up (and warns if unknown).
@@ -177,7 +177,7 @@ class Trainer:
             if first > steps:
                 return  # nothing left to train
             cfg = self.config.lr_scheduler
-            final = self.config.optimizer.lr * lr_factor(planned, cfg, planned)
+            final = self.config.optimizer.lr * lr_factor(torch.tensor(planned), cfg, planned).item()
             what = f"steps {first}-{steps} train at the schedule's final learning rate, {final:.3g}"
             if cfg.decay_type != "constant":
                 what += " (min_lr_ratio x lr)"
@@ -213,22 +213,25 @@ class Trainer:
                 stacklevel=2,
             )
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | torch.Tensor]:
         """The trainer's own counters, for checkpoints."""
         return {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.vetoes.total,
         }
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: dict[str, int | torch.Tensor]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self.step = state_dict["step"]
-        self.tokens_seen = state_dict["tokens_seen"]
-        self.skipped_steps = state_dict["skipped_steps"]
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+        self.vetoes.total.copy_(state_dict["skipped_steps"])
 
     def train_step(self, batch: StepBatch) -> tuple[torch.Tensor, StepContext]:
-        """One optimizer step over ``batch``'s microbatches; returns the mean loss and context."""
+        """One optimizer step over ``batch``'s microbatches; returns its mean loss and context.
+
+        It reads nothing from the device: the loss, the vetoes and the skip stay tensors.
+        """
         ctx = StepContext(
             self.step + 1,
             len(batch),
@@ -247,16 +250,15 @@ class Trainer:
             lap("hooks")
             ctx.loss.backward()
         lap("fwd_bwd")
+        self.hook.unscale_gradients(ctx=ctx)
+        self.hook.observe_gradients(ctx=ctx)
         self.hook.post_backward(ctx=ctx)
-        ctx.skip_reasons = [r for r in self.hook.pre_step(ctx=ctx) if r]
-        ctx.skipped = bool(ctx.skip_reasons)
+        ctx.skipped, ctx.skip_reasons = self.vetoes.combine(self.host.vetoes(ctx=ctx))
         lap("hooks")
-        if ctx.skipped:
-            self.skipped_steps += 1
+        if ctx.skip_reasons:
             logger.info("step %d skipped: %s", ctx.step, "; ".join(ctx.skip_reasons))
-        else:
-            self.optimizer.step()
-            self.lr_scheduler.step()
+        self.vetoes.apply(self.optimizer, ctx.skipped, ctx.skip_reasons)
+        self.lr_scheduler.step(ctx.skipped.logical_not())
         lap("optimizer")
         self.hook.post_step(ctx=ctx)
         lap("hooks")
@@ -281,16 +283,17 @@ class Trainer:
         self.model.train()
         self.stop.install()
         while self.step < cfg.training.steps:
-            lr = self.lr_scheduler.get_last_lr()[0]
+            logging_step = self._due(cfg.metrics.log_freq, self.step + 1) or self.step == 0
+            lr = self.lr_scheduler.last_lr().clone() if logging_step else None
             self.timer.start_step()
             batch = self.batches.next_batch()
             self.timer.lap("data")
             loss, ctx = self.train_step(batch)
             self.batches.prefetch()
             self.timer.lap("data")
-            if self._due(cfg.metrics.log_freq) or self.step == 1:
+            if lr is not None:
                 self._log_step(loss, ctx, lr)
-            if self.val_data is not None and self._due(cfg.validation.interval):
+            if self.val_data is not None and self._due(cfg.validation.interval, self.step):
                 self.metrics.log({"step": self.step, "validation_loss": self.validate()})
             stop = self.stop.vote()
             self.checkpointer.after_step(self.step, stop is not None)
@@ -307,13 +310,14 @@ class Trainer:
             then = "checkpoint.enable is off, so nothing was saved and a rerun starts afresh"
         logger.info("stopped after step %d on %s; %s", self.step, signal_name, then)
 
-    def _due(self, every: int) -> bool:
-        return self.step % every == 0 or self.step == self.config.training.steps
+    def _due(self, every: int, step: int) -> bool:
+        return step % every == 0 or step == self.config.training.steps
 
-    def _log_step(self, loss: torch.Tensor, ctx: StepContext, lr: float) -> None:
+    def _log_step(self, loss: torch.Tensor, ctx: StepContext, lr: torch.Tensor) -> None:
+        """Read the step's numbers from the device (the one host sync of a logging step)."""
         times = self.timer.window()
         global_loss = all_reduce_mean(loss, self.world.world_size)
-        record = {"step": self.step, "loss": to_number(global_loss), "lr": lr}
+        record = {"step": self.step, "loss": to_number(global_loss), "lr": to_number(lr)}
         for plugin, metrics in self.host.call_each("step_metrics", ctx=ctx).items():
             record.update({f"{plugin}/{k}": to_number(v) for k, v in metrics.items()})
         train_cfg = self.config.training
@@ -327,8 +331,9 @@ class Trainer:
             ),
             **times,
             memory_gib=peak_memory_gib(self.device),
-            skipped_steps=self.skipped_steps,
+            skipped_steps=int(self.vetoes.total),
         )
+        record.update({f"skipped_steps.{k}": int(v) for k, v in self.vetoes.by_plugin.items()})
         self.metrics.log(record)
 
     @torch.no_grad()

@@ -2,8 +2,10 @@
 
 The total norm is the true norm of the whole model's gradient, over every parameter, rank and
 FSDP2 shard, as ``torch.nn.utils.clip_grad_norm_`` would compute it on the unsharded model.
-Clipping runs as a plain ``post_backward`` implementation, so a loss scaler in the hook
-contract's "run first" slot has already unscaled the gradients, whatever the registration order.
+Clipping is a gradient transform, so it runs in the contract's modify phase (``post_backward``):
+a loss scaler has unscaled the gradients before it, and observers have seen them unclipped.
+Nothing is read from the device: the norm stays a tensor, and a non-finite norm vetoes the
+step with a device flag.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ class GradClipConfig:
     """Order of the total norm: 2.0 (Euclidean), any p > 0, or inf (largest absolute value)."""
     on_nonfinite: Literal["skip", "raise"] = "skip"
     """When the total norm is inf or nan and no loss scaler is enabled: ``skip`` vetoes the
-    optimizer step (and the LR schedule) with a logged reason; ``raise`` stops the run. With a
-    loss scaler enabled, non-finite gradients are the scaler's to handle (it skips the step)."""
+    optimizer step (and the LR schedule), counted in ``skipped_steps.grad_clip``; ``raise``
+    vetoes it too, then stops the run at the next logging step (the first moment the host
+    reads the device), naming the step. With a loss scaler enabled, non-finite gradients are
+    the scaler's to handle (it skips the step)."""
 
     def __post_init__(self) -> None:
         check_field(
@@ -53,6 +57,8 @@ class GradClip:
         """The name the run enables the plugin under (its entry point's), set in ``setup``."""
         self.total_norm = torch.zeros(())
         """The last step's pre-clip total norm: a 0-d fp32 tensor, the same on every rank."""
+        self.first_nonfinite_step = torch.zeros((), dtype=torch.int64)
+        """The first step whose norm was not finite (0: none yet), for ``on_nonfinite = raise``."""
 
     @hookimpl
     def config_section(self) -> type:
@@ -62,6 +68,7 @@ class GradClip:
     def setup(self, ctx: SetupContext) -> None:
         self.name = ctx.name_of(self)
         self.config = ctx.plugin_config(self)
+        self.first_nonfinite_step = self.first_nonfinite_step.to(ctx.device)
 
     @hookimpl
     def post_backward(self, ctx: StepContext) -> None:
@@ -71,8 +78,7 @@ class GradClip:
         # training.mixed_precision_param says (it casts only the unsharded copies used in
         # forward and backward), so the norm is computed in fp32. On DTensor gradients the norm
         # is a DTensor that may still be partial over ranks (Partial(max) for inf):
-        # full_tensor() all-reduces it into the global norm, the same on every rank. No .item()
-        # here: the norm stays on the device.
+        # full_tensor() all-reduces it into the global norm, the same on every rank.
         norm = torch.nn.utils.get_total_norm(grads, self.config.norm_type, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -80,26 +86,22 @@ class GradClip:
         self.total_norm = norm
 
     @hookimpl
-    def pre_step(self, ctx: StepContext) -> str | None:
+    def pre_step(self, ctx: StepContext) -> torch.Tensor | None:
         if ctx.loss_scaler is not None:
-            return None
-        # The veto must be a Python value, so this reads the norm: one device sync per
-        # step (on CUDA the host waits for the backward to finish before queueing the optimizer
-        # step). It is skipped when a loss scaler is enabled: non-finite gradients are then
-        # the scaler's to handle (torch's GradScaler reads its own inf flag on the host). The
-        # norm is global, so every rank takes the same decision.
-        value = self.total_norm.item()
-        if math.isfinite(value):
-            return None
+            return None  # non-finite gradients are the loss scaler's to skip
+        nonfinite = self.total_norm.isfinite().logical_not()
         if self.config.on_nonfinite == "raise":
-            raise FloatingPointError(
-                f"{self.name}: the total gradient norm at step {ctx.step} is {value}: the loss "
-                f"or the gradients overflowed (lower optimizer.lr, or set "
-                f"{self.name}.on_nonfinite = 'skip' to skip such steps)"
-            )
-        return f"{self.name}: total gradient norm is {value} ({self.name}.on_nonfinite = 'skip')"
+            first = self.first_nonfinite_step
+            first.copy_(torch.where(nonfinite & (first == 0), ctx.step, first))
+        return nonfinite
 
     @hookimpl
     def step_metrics(self, ctx: StepContext) -> dict[str, torch.Tensor]:
+        if self.config.on_nonfinite == "raise" and (step := int(self.first_nonfinite_step)):
+            raise FloatingPointError(
+                f"{self.name}: the total gradient norm at step {step} is not finite: the loss "
+                f"or the gradients overflowed (lower optimizer.lr, or set "
+                f"{self.name}.on_nonfinite = 'skip' to skip such steps)"
+            )
         clipped = (self.total_norm > self.config.max_norm).float()
         return {"grad_norm": self.total_norm, "clipped": clipped}

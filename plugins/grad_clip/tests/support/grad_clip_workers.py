@@ -45,7 +45,7 @@ def clip_args(max_norm: float, *extra: str) -> list[str]:
 
 
 class InfInjector:
-    """Writes inf into one gradient element on one rank, in the "run first" slot.
+    """Writes inf into one gradient element on one rank, in the make-true phase.
 
     With ``loss_scaler=True`` it also plays a loss scaler's part in non-finite handling: it
     declares itself with ``register_loss_scaler`` and vetoes the steps it poisoned.
@@ -62,8 +62,8 @@ class InfInjector:
         if self.loss_scaler:
             ctx.register_loss_scaler(self)
 
-    @hookimpl(tryfirst=True)
-    def post_backward(self, ctx):
+    @hookimpl
+    def unscale_gradients(self, ctx):
         if ctx.step in self.steps and self.my_rank == self.rank:
             grad = local_tensor(ctx.gradients()[0])
             grad[(0,) * grad.ndim] = math.inf
@@ -120,6 +120,7 @@ def skip_nonfinite_on_every_rank(dump_folder: str) -> dict:
         "rank": trainer.world.rank,
         "changed": watcher.changed,
         "lr_steps": watcher.lr_steps,
-        "skipped_steps": trainer.skipped_steps,
+        "skipped_steps": int(trainer.vetoes.total),
+        "skipped_by": {k: int(v) for k, v in trainer.vetoes.by_plugin.items()},
         "logs": logs.messages,
     }

@@ -3,19 +3,21 @@
 float16 has 5 exponent bits: small gradients underflow to zero unless the loss is multiplied
 by a large factor before backward and the gradients divided by it afterwards. bfloat16 and
 float32 have float32's exponent range, so scaling them would only add inf/nan checks, a
-collective and a host sync per step for nothing. With ``enabled = "auto"`` (the default) the
-plugin is therefore active exactly when the resolved parameter dtype is float16, and otherwise
+collective and work per step for nothing. With ``enabled = "auto"`` (the default) the plugin
+is therefore active exactly when the resolved parameter dtype is float16, and otherwise
 deactivates itself in ``setup``: no hooks fire and no state is saved.
 
-Per optimizer step, when active, the hooks run :class:`torch.amp.GradScaler`'s canonical loop
-(scale, backward, ``unscale_``, clip, ``step``, ``update``) spread over the trainer's hooks:
+When active it runs :class:`torch.amp.GradScaler`'s canonical loop (scale, backward,
+``unscale_``, clip, ``step``, ``update``) with the same two device kernels, spread over the
+hook contract's gradient phases, and never reads the device:
 
-* ``pre_backward``: ``ctx.loss = scaler.scale(ctx.loss)`` for each microbatch;
-* ``post_backward`` (the core's "run first" slot): ``scaler.unscale_``, once, so that every
-  other ``post_backward`` implementation (clipping, gradient statistics) sees true gradients;
-* ``pre_step``: ``scaler.step``'s decision: veto the step if any rank found inf/nan;
-* ``post_step``: ``scaler.update()``, backing the scale off after a skipped step and growing
-  it after ``growth_interval`` clean ones.
+* ``pre_backward``: the loss is multiplied by the scale, for each microbatch;
+* ``unscale_gradients``: the gradients are divided by it and checked for inf/nan
+  (``torch._amp_foreach_non_finite_check_and_unscale_``);
+* ``pre_step``: the inf flag is the veto, a device tensor the fused optimizer reads as its
+  ``found_inf``, as ``GradScaler.step`` gives it to a fused optimizer;
+* ``post_step``: ``torch._amp_update_scale_`` backs the scale off after an overflow and grows
+  it after ``growth_interval`` clean steps.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.optim import Optimizer
 
 from plugtrain.plugin import ConfigError, SetupContext, StepContext, check_field, hookimpl
 
@@ -70,51 +71,24 @@ class GradScalerConfig:
         )
 
 
-class _StepGate:
-    """Stands in for the optimizer in ``torch.amp.GradScaler.unscale_`` and ``.step``.
-
-    It exposes the optimizer's ``param_groups`` (all ``unscale_`` reads), and its ``step()``
-    records that torch's ``GradScaler.step`` decided to step instead of stepping: the trainer
-    calls ``optimizer.step()`` itself, and the LR scheduler with it, unless a plugin vetoes.
-
-    This lets the plugin use torch's GradScaler's public methods only, in the canonical order.
-    ``scaler.step(gate)`` runs exactly the non-fused path of ``scaler.step(optimizer)`` (the
-    found_inf check, summed over devices, read with one ``.item()``) and leaves the recorded
-    inf checks that ``update()`` asserts on. The alternative, reading the private
-    ``scaler._found_inf_per_device(optimizer)``, would duplicate that decision by hand. The
-    gate deliberately lacks ``_step_supports_amp_scaling``: with a fused optimizer (the
-    trainer's on CUDA) the gradients are already unscaled and the step is skipped as a whole,
-    which is what the fused kernel's own found_inf check would have done (bit for bit: see
-    tests/test_equivalence.py, fused AdamW on CPU).
-    """
-
-    def __init__(self, optimizer: Optimizer) -> None:
-        self.optimizer = optimizer
-        self.opened = False
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    def step(self) -> None:
-        self.opened = True
-
-
 class GradScaler:
     """Scales the loss of float16 runs and skips the steps whose gradients overflow.
 
-    The entry point names this class; the plugin manager makes one instance per run.
+    The entry point names this class; the plugin manager makes one instance per run. Its
+    state (scale, growth tracker, skipped steps) lives on the training device.
     """
 
     def __init__(self) -> None:
         self.config = GradScalerConfig()
-        self.scaler: torch.amp.GradScaler | None = None
-        """None until ``setup`` finds the run in float16 (and in every inactive run)."""
-        self._gate: _StepGate | None = None
-        self.skipped_steps = 0
-        """Steps skipped because their gradients held inf/nan, over the whole run."""
         self.name = "grad_scaler"
         """The name the run enables the plugin under (its entry point's), set in ``setup``."""
+        self.scale: torch.Tensor | None = None
+        """The loss scale, a float32 0-d tensor; None in an inactive run."""
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
+        self.found_inf = torch.zeros(())
+        """1.0 if this step's gradients held inf/nan (the same on every rank), else 0.0."""
+        self.skipped_steps = torch.zeros((), dtype=torch.int64)
+        """Steps skipped because their gradients held inf/nan, over the whole run."""
 
     @hookimpl
     def config_section(self) -> type:
@@ -137,84 +111,68 @@ class GradScaler:
         if cfg.enabled is False:
             ctx.deactivate(self, f"{name}: enabled = false, float16 runs without loss scaling")
             return
-        # NOTE: torch.amp.GradScaler, not FSDP's ShardedGradScaler. With FSDP2 the gradients
-        # are DTensors, and DTensor's dispatcher all-reduces (max) the found_inf flag of
-        # _amp_foreach_non_finite_check_and_unscale_ inside unscale_: one collective per step,
-        # and every rank skips together. ShardedGradScaler (built for FSDP1's plain tensors)
-        # all-reduces found_inf again on top: two collectives instead of one (found_inf = 2.0
-        # on 2 ranks), plus its CPU update reads the flag with extra .item() calls. Measured
-        # on 2 processes by tests/test_two_processes.py::test_choice_of_grad_scaler_class.
-        # The device type is passed explicitly: GradScaler() defaults to "cuda" and silently
-        # disables itself on a machine without CUDA.
-        self.scaler = torch.amp.GradScaler(
-            ctx.device.type,
-            init_scale=cfg.init_scale,
-            growth_factor=cfg.growth_factor,
-            backoff_factor=cfg.backoff_factor,
-            growth_interval=cfg.growth_interval,
-        )
-        self._gate = _StepGate(ctx.optimizer)
+        device = ctx.device
+        self.scale = torch.full((), cfg.init_scale, dtype=torch.float32, device=device)
+        self.growth_tracker = self.growth_tracker.to(device)
+        self.found_inf = self.found_inf.to(device)
+        self.skipped_steps = self.skipped_steps.to(device)
         ctx.register_loss_scaler(self)
 
     @hookimpl
     def pre_backward(self, ctx: StepContext) -> None:
-        ctx.loss = self._active().scale(ctx.loss)
-
-    @hookimpl(tryfirst=True)
-    def post_backward(self) -> None:
-        self._active().unscale_(self._gate)  # type: ignore[arg-type]
+        ctx.loss = ctx.loss * self._active()
 
     @hookimpl
-    def pre_step(self) -> str | None:
-        scaler, gate = self._active(), self._gate
-        assert gate is not None
-        gate.opened = False
-        # The one host sync per step that float16 training needs: GradScaler.step reads
-        # found_inf (already all-reduced over ranks in unscale_) with .item() to decide.
-        scaler.step(gate)  # type: ignore[arg-type]
-        if gate.opened:
-            return None
-        self.skipped_steps += 1
-        # The trainer logs this reason: the plugin's one line per skipped step. Reading the
-        # scale for it costs a second .item(), on skipped steps only.
-        scale = scaler.get_scale()
-        return (
-            f"{self.name}: inf/nan gradients at loss scale {scale:g}, "
-            f"the scale backs off to {scale * self.config.backoff_factor:g}"
-        )
+    def unscale_gradients(self, ctx: StepContext) -> None:
+        # NOTE: torch.amp.GradScaler's kernel, not FSDP's ShardedGradScaler. With FSDP2 the
+        # gradients are DTensors, and DTensor's dispatcher all-reduces (max) the found_inf
+        # flag of this kernel: one collective per step, and every rank skips together.
+        # ShardedGradScaler (built for FSDP1's plain tensors) all-reduces found_inf again on
+        # top: two collectives instead of one (found_inf = 2.0 on 2 ranks). Measured on 2
+        # processes by tests/test_two_processes.py::test_choice_of_grad_scaler_class.
+        inv_scale = self._active().double().reciprocal().float()
+        self.found_inf.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(ctx.gradients(), self.found_inf, inv_scale)
+
+    @hookimpl
+    def pre_step(self) -> torch.Tensor:
+        return self.found_inf > 0
 
     @hookimpl
     def post_step(self) -> None:
-        self._active().update()
+        self.skipped_steps += (self.found_inf > 0).long()
+        torch._amp_update_scale_(
+            self._active(),
+            self.growth_tracker,
+            self.found_inf,
+            self.config.growth_factor,
+            self.config.backoff_factor,
+            self.config.growth_interval,
+        )
 
     @hookimpl
-    def step_metrics(self) -> dict[str, float | int]:
-        # get_scale() reads the scale with .item(): on logging steps only.
-        return {"loss_scale": self._active().get_scale(), "skipped_steps": self.skipped_steps}
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        return {"loss_scale": self._active(), "skipped_steps": self.skipped_steps}
 
     @hookimpl
     def state_dict(self) -> dict[str, Any]:
-        state = self._active().state_dict()
-        # Only the state that evolves; the factors and interval come from the config, so
-        # a resumed run may change them. Plain tensors: saved without pickling.
+        # Only the state that evolves; the factors and interval come from the config, so a
+        # resumed run may change them.
         return {
-            "scale": torch.tensor(state["scale"], dtype=torch.float32),
-            "growth_tracker": torch.tensor(state["_growth_tracker"], dtype=torch.int64),
-            "skipped_steps": torch.tensor(self.skipped_steps, dtype=torch.int64),
+            "scale": self._active(),
+            "growth_tracker": self.growth_tracker,
+            "skipped_steps": self.skipped_steps,
         }
 
     @hookimpl
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:  # saved while inactive (a bfloat16 run): keep init_scale
             return
-        scaler = self._active()
-        state = scaler.state_dict()
-        state["scale"] = float(state_dict["scale"])
-        state["_growth_tracker"] = int(state_dict["growth_tracker"])
-        scaler.load_state_dict(state)
-        self.skipped_steps = int(state_dict["skipped_steps"])
+        self._active().copy_(state_dict["scale"])
+        self.growth_tracker.copy_(state_dict["growth_tracker"])
+        self.skipped_steps.copy_(state_dict["skipped_steps"])
 
-    def _active(self) -> torch.amp.GradScaler:
-        # Hooks fire only after setup kept the plugin registered, i.e. created the scaler.
-        assert self.scaler is not None, f"{self.name}: hook fired while inactive"
-        return self.scaler
+    def _active(self) -> torch.Tensor:
+        # Hooks fire only after setup kept the plugin registered, i.e. created the scale.
+        assert self.scale is not None, f"{self.name}: hook fired while inactive"
+        return self.scale

@@ -49,15 +49,15 @@ def poison(model: torch.nn.Module) -> None:
 class InjectInf:
     """Poisons a gradient on chosen steps (and ranks) before any plugin sees the gradients.
 
-    A ``wrapper=True`` implementation's code before ``yield`` runs before every plain
-    one, the "run first" (tryfirst) unscaling included, whatever the registration order.
+    A ``wrapper=True`` implementation of ``unscale_gradients``: its code before ``yield`` runs
+    before every plain one, the scaler's unscaling included, whatever the registration order.
     """
 
     def __init__(self, steps: Collection[int], ranks: Collection[int] = (0,)) -> None:
         self.steps, self.ranks = set(steps), set(ranks)
 
     @hookimpl(wrapper=True)
-    def post_backward(self, ctx: StepContext):
+    def unscale_gradients(self, ctx: StepContext):
         if ctx.step in self.steps and dist.get_rank() in self.ranks:
             poison(ctx.model)
         return (yield)
@@ -103,7 +103,7 @@ class StepWatcher:
     @hookimpl
     def step_metrics(self, ctx: StepContext) -> None:
         # Fires after every post_step (log_freq 1), so after the scaler's update.
-        self.scales[ctx.step] = self.trainer.host.get("grad_scaler").scaler.get_scale()
+        self.scales[ctx.step] = self.trainer.host.get("grad_scaler").scale.item()
 
 
 def inf_on_one_rank(dump_folder: str) -> dict:
@@ -122,8 +122,8 @@ def inf_on_one_rank(dump_folder: str) -> dict:
         "params_changed": watcher.params_changed,
         "state_changed": watcher.state_changed,
         "scales": watcher.scales,
-        "lr_steps": trainer.lr_scheduler.last_epoch,
-        "skipped": trainer.host.get("grad_scaler").skipped_steps,
+        "lr_steps": int(trainer.lr_scheduler.applied_steps),
+        "skipped": int(trainer.host.get("grad_scaler").skipped_steps),
     }
 
 

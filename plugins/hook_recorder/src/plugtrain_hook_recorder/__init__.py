@@ -53,6 +53,14 @@ class HookRecorder:
         self.calls.append(Call("pre_backward", ctx.step, ctx.microbatch))
 
     @hookimpl
+    def unscale_gradients(self, ctx: StepContext) -> None:
+        self.calls.append(Call("unscale_gradients", ctx.step, ctx.microbatch))
+
+    @hookimpl
+    def observe_gradients(self, ctx: StepContext) -> None:
+        self.calls.append(Call("observe_gradients", ctx.step, ctx.microbatch))
+
+    @hookimpl
     def post_backward(self, ctx: StepContext) -> None:
         self.calls.append(Call("post_backward", ctx.step, ctx.microbatch))
 
@@ -66,7 +74,9 @@ class HookRecorder:
 
     @hookimpl
     def post_step(self, ctx: StepContext) -> None:
-        self.calls.append(Call("post_step", ctx.step, ctx.microbatch, ctx.skipped))
+        # Reading the skip flag is a host sync: fine for a recorder, not for a plugin on the
+        # hot path (see the hook contract).
+        self.calls.append(Call("post_step", ctx.step, ctx.microbatch, bool(ctx.skipped)))
         if self.config.output:
             path = Path(f"{self.config.output}.rank{self.rank}")
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,104 @@
+"""Zero host syncs per non-logging step: the core, grad_clip and grad_scaler, 1 and 2 processes.
+
+A run of N steps logs at step 1 and step N only (``metrics.log_freq`` larger than N). Counted
+over two runs of different lengths, the difference is what the extra non-logging steps cost:
+it must be 0 host syncs, whatever the plugins.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from distributed import run_distributed
+from runs import tiny_args
+
+from plugtrain.observability.costs import CostCounter
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer
+
+SHORT, LONG = 3, 6
+DECLARED = {
+    "core fp32": {},
+    "grad_clip fp32": {"_c10d_functional.all_reduce": 1},  # the global norm
+    "grad_clip bf16": {"_c10d_functional.all_reduce": 1},
+    # and the scaler's found_inf, reduced by DTensor inside its unscale kernel
+    "grad_clip+grad_scaler fp16": {"_c10d_functional.all_reduce": 2},
+}
+"""The collectives each case adds to the core's per non-logging step, as the plugins declare."""
+CASES = {
+    "core fp32": ("--training.mixed_precision_param", "float32"),
+    "grad_clip fp32": ("--plugins.enabled", "grad_clip"),
+    "grad_clip bf16": (
+        "--plugins.enabled", "grad_clip", "--training.mixed_precision_param", "bfloat16",
+    ),
+    "grad_clip+grad_scaler fp16": (
+        "--plugins.enabled", "grad_clip,grad_scaler",
+        "--training.mixed_precision_param", "float16",
+    ),
+}  # fmt: skip
+
+
+def run_costs(dump_folder: str, steps: int, *args: str) -> CostCounter:
+    """Train ``steps`` steps, logging the first and last only, under one counter."""
+    argv = [*tiny_args(dump_folder, steps=steps), "--metrics.log_freq", "1000", *args]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "training.mixed_precision_param is float16")
+        trainer = Trainer(*configure(argv))
+    with CostCounter() as costs:
+        trainer.train()
+    trainer.close()
+    return costs
+
+
+def per_extra_step(dump_folder: str, *args: str) -> dict:
+    """Syncs and collectives of the LONG - SHORT extra, non-logging steps, per step."""
+    short = run_costs(f"{dump_folder}/short", SHORT, *args)
+    long = run_costs(f"{dump_folder}/long", LONG, *args)
+    extra = LONG - SHORT
+    collectives = long.collectives.copy()
+    collectives.subtract(short.collectives)
+    return {
+        "syncs": (long.num_syncs - short.num_syncs) / extra,
+        "sync_sites": sorted(set(long.sync_sites) - set(short.sync_sites)),
+        "collectives": {op: n / extra for op, n in collectives.items() if n},
+    }
+
+
+def all_cases(dump_folder: str) -> dict:
+    return {name: per_extra_step(f"{dump_folder}/{i}", *args) for i, (name, args) in enumerate(
+        CASES.items())}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_host_sync_on_a_non_logging_step_one_process(tmp_path, case):
+    costs = per_extra_step(str(tmp_path), *CASES[case])
+    assert costs["syncs"] == 0, costs["sync_sites"]
+    assert costs["collectives"] == {}  # a world of one needs none
+
+
+def test_the_counting_sees_a_sync_in_the_step(tmp_path, monkeypatch):
+    """The control: one host read per step, in the core's own step, is counted as 1."""
+    step = Trainer.train_step
+
+    def reading_step(self, batch):
+        loss, ctx = step(self, batch)
+        loss.item()
+        return loss, ctx
+
+    monkeypatch.setattr(Trainer, "train_step", reading_step)
+    assert per_extra_step(str(tmp_path))["syncs"] == 1
+
+
+@pytest.mark.slow
+def test_no_host_sync_on_a_non_logging_step_two_processes(tmp_path):
+    ranks = run_distributed(all_cases, 2, str(tmp_path))
+    for rank, cases in enumerate(ranks):
+        core = cases["core fp32"]["collectives"]
+        for name, costs in cases.items():
+            assert costs["syncs"] == 0, (rank, name, costs["sync_sites"])
+            added = {op: n - core.get(op, 0) for op, n in costs["collectives"].items()}
+            added = {op: n for op, n in added.items() if n}
+            assert added == DECLARED[name], (rank, name, added)
+        # The core's own: FSDP2's all-gathers and reduce-scatters, and the stop vote.
+        assert core.get("c10d.allreduce_") == 1, (rank, core)
