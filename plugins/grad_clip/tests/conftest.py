@@ -1,17 +1,17 @@
-"""Puts the core's test helpers (``tests/runs.py``, ``tests/distributed.py``...) and this
-folder's ``support/`` on ``sys.path``.
-
-The per-rank functions live in ``support/grad_clip_workers.py``, a module importable by
-name, because ``run_distributed`` pickles them into spawned processes. ``support/`` holds no
-``conftest.py``, so it cannot shadow the core tests' ``from conftest import ...``.
-"""
+"""Fixtures of the grad_clip tests (the test kit, plugtrain.testing, gives the rest)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from collections.abc import Callable
 
-REPO = Path(__file__).resolve().parents[3]
-for path in (REPO / "tests", Path(__file__).parent / "support"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+import pytest
+
+
+def _clip_args(max_norm: float, *extra: str) -> list[str]:
+    return ["--plugins.enabled", "grad_clip", "--grad_clip.max_norm", str(max_norm), *extra]
+
+
+@pytest.fixture
+def clip_args() -> Callable[..., list[str]]:
+    """``clip_args(max_norm, *extra)``: arguments that enable grad_clip with ``max_norm``."""
+    return _clip_args

@@ -6,10 +6,10 @@ import math
 
 import pytest
 from plugtrain_grad_clip import GradClipConfig
-from runs import tiny_args
 
 from plugtrain.config import build_config
 from plugtrain.errors import ConfigError
+from plugtrain.testing import tiny_args
 from plugtrain.training.launch import configure
 
 

@@ -5,17 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import grad_clip_workers as workers
 import pytest
 import torch
-from conftest import read_metrics
-from distributed import run_distributed
-from runs import tiny_args
 
 from plugtrain.config import JobConfig
 from plugtrain.data.pipeline import StatefulBatchLoader, build_dataset
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.testing import make_trainer, read_metrics, run_distributed, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import LRSchedule, build_optimizer
 from plugtrain.training.trainer import cross_entropy
@@ -24,6 +21,14 @@ STEPS = 4
 # Measured: the 2-process parameters are within 4e-7 of the reference after 4 steps; clipping
 # moves each parameter tensor by 1.4e-4 or more.
 RTOL, ATOL = 1e-5, 1e-6
+
+
+def train_and_gather(dump_folder: str, args: list[str], steps: int) -> dict[str, torch.Tensor]:
+    """Run on each rank: train a tiny run; return its full parameters, by name."""
+    trainer = make_trainer(dump_folder, *args, steps=steps)
+    trainer.train()
+    trainer.close()
+    return {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
 
 
 def reference_run(
@@ -73,12 +78,12 @@ def reference_run(
     [(2.0, 0.1, 1), (math.inf, 0.02, 2)],
     ids=["l2", "inf-accum2"],
 )
-def test_two_fsdp2_processes_match_clip_grad_norm(tmp_path, norm_type, max_norm, accum):
+def test_two_fsdp2_processes_match_clip_grad_norm(tmp_path, clip_args, norm_type, max_norm, accum):
     args = [
         "--training.batch_size", "8", "--training.grad_accum_steps", str(accum),
-        *workers.clip_args(max_norm, "--grad_clip.norm_type", str(norm_type)),
+        *clip_args(max_norm, "--grad_clip.norm_type", str(norm_type)),
     ]  # fmt: skip
-    ranks = run_distributed(workers.train_and_gather, 2, str(tmp_path / "run"), args, STEPS)
+    ranks = run_distributed(train_and_gather, 2, str(tmp_path / "run"), args, STEPS)
     config, _ = configure([*tiny_args(tmp_path / "ref", steps=STEPS), *args])
     ref_norms, ref_params = reference_run(config, max_norm, norm_type)
     _, unclipped = reference_run(config, None, norm_type)

@@ -6,11 +6,10 @@ import sys
 
 import pytest
 import torch
-from conftest import read_metrics
-from grad_clip_workers import clip_args, make_trainer
 
 from plugtrain.host.plugin_host import installed_plugins
 from plugtrain.plugin import hookimpl
+from plugtrain.testing import make_trainer, read_metrics
 
 
 def params_of(trainer) -> list[torch.Tensor]:
@@ -18,7 +17,7 @@ def params_of(trainer) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("accum", [1, 2])
-def test_computes_and_clips_once_per_optimizer_step(tmp_path, monkeypatch, accum):
+def test_computes_and_clips_once_per_optimizer_step(tmp_path, monkeypatch, accum, clip_args):
     calls = {"get_total_norm": 0, "clip_grads_with_norm_": 0}
     for name in calls:
         original = getattr(torch.nn.utils, name)
@@ -36,7 +35,7 @@ def test_computes_and_clips_once_per_optimizer_step(tmp_path, monkeypatch, accum
     assert [r["grad_clip/clipped"] for r in read_metrics(tmp_path)] == [1.0, 1.0, 1.0]
 
 
-def test_below_max_norm_changes_nothing(tmp_path):
+def test_below_max_norm_changes_nothing(tmp_path, clip_args):
     plain = make_trainer(tmp_path / "plain", steps=2)
     plain.train()
     clip = make_trainer(tmp_path / "clip", *clip_args(1e6), steps=2)
@@ -63,12 +62,15 @@ class LossScalerStandIn:
 
 
 @pytest.mark.parametrize("scaler_first", [True, False])
-def test_clips_unscaled_gradients_in_both_registration_orders(tmp_path, scaler_first):
+def test_clips_unscaled_gradients_in_both_registration_orders(tmp_path, scaler_first, clip_args):
     plain = make_trainer(tmp_path / "plain", *clip_args(0.1), steps=3)
     plain.train()
     order = [("scaler", LossScalerStandIn()), ("grad_clip", None)]
     scaled = make_trainer(
-        tmp_path / "scaled", *clip_args(0.1), order=order if scaler_first else order[::-1], steps=3
+        tmp_path / "scaled",
+        *clip_args(0.1),
+        plugins=order if scaler_first else order[::-1],
+        steps=3,
     )
     scaled.train()
     norms = [r["grad_clip/grad_norm"] for r in read_metrics(tmp_path / "scaled")]
@@ -80,7 +82,7 @@ def test_clips_unscaled_gradients_in_both_registration_orders(tmp_path, scaler_f
         torch.testing.assert_close(a, b)
 
 
-def test_installed_but_not_enabled_is_never_imported(tmp_path, monkeypatch):
+def test_installed_but_not_enabled_is_never_imported(tmp_path, monkeypatch, clip_args):
     assert [p.distribution for p in installed_plugins()["grad_clip"]] == ["plugtrain-grad-clip"]
     monkeypatch.delitem(sys.modules, "plugtrain_grad_clip", raising=False)
     make_trainer(tmp_path / "off", "--plugins.enabled", "hook_recorder", steps=1).train()
