@@ -18,8 +18,9 @@ Runs:
 
 Unit tests of one hook: :func:`step_context` and :func:`setup_context` build real contexts.
 
-Faults: :class:`InjectInf` puts inf into the loss or one rank's gradients at given steps;
-:class:`SigtermAt` sends SIGTERM to one rank mid-step.
+Faults: :class:`InjectInf` puts inf into the loss or one rank's gradients at given steps
+(:func:`poison` does it by hand); :class:`SigtermAt` stops a run with SIGTERM on one rank, and
+:func:`interrupted_and_resumed` checks that a stopped run resumes exactly.
 
 Checks: :func:`count_costs` and :func:`assert_costs` (host syncs, collectives and time per
 non-logging step, of the whole step or of one plugin's hooks); :func:`check_order_independence`
@@ -58,7 +59,7 @@ import pytest
 import torch
 from torch import nn
 
-from plugtrain.plugin import SetupContext, StepContext, hookimpl, local_tensor
+from plugtrain.plugin import SetupContext, StepContext, gradients, hookimpl, local_tensor
 
 __all__ = [
     "SAMPLE",
@@ -72,9 +73,11 @@ __all__ = [
     "check_order_independence",
     "count_costs",
     "free_port",
+    "interrupted_and_resumed",
     "make_trainer",
     "parameter_checksums",
     "plugtrain_run",
+    "poison",
     "read_metrics",
     "run_distributed",
     "run_script",
@@ -566,21 +569,34 @@ class InjectInf:
     @hookimpl(wrapper=True)
     def unscale_gradients(self, ctx: StepContext) -> Iterator[None]:
         if self.where == "gradients" and self._due(ctx):
-            grad = local_tensor(ctx.gradients()[0])
-            grad.view(-1)[0] = self.value
+            poison(ctx.model, self.value)
         return (yield)
 
 
+def poison(model: nn.Module, value: float = math.inf) -> None:
+    """Write ``value`` (inf, nan) into this rank's shard of the model's first gradient."""
+    local_tensor(gradients(model)[0]).view(-1)[0] = value
+
+
 class SigtermAt:
-    """Sends this process SIGTERM in the middle of step ``step``, on rank ``rank`` only: the
-    run must stop cleanly at the end of that step (every rank agreeing)."""
+    """Sends its own process SIGTERM, on rank ``rank`` only, so that the run stops cleanly
+    after step ``step`` (every rank agreeing, a checkpoint saved if checkpointing is on).
+
+    On several processes the ranks' stop vote reads a step late (it never makes a step wait),
+    so the signal goes out mid-step ``step - 1`` there.
+    """
 
     def __init__(self, step: int, rank: int = 0) -> None:
-        self.step, self.rank = step, rank
+        self.step, self.rank, self.my_rank = step, rank, -1
+
+    @hookimpl
+    def setup(self, ctx: SetupContext) -> None:
+        self.my_rank = ctx.rank
+        self.step -= ctx.world_size > 1
 
     @hookimpl
     def post_backward(self, ctx: StepContext) -> None:
-        if ctx.step == self.step and _rank() == self.rank:
+        if ctx.step == self.step and self.my_rank == self.rank:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -623,6 +639,57 @@ class StepWatcher:
 
 
 # --------------------------------------------------------------------------- checks
+
+
+def interrupted_and_resumed(
+    dump_folder: str | Path,
+    *args: str,
+    steps: int = 8,
+    stop_after: int = 4,
+    sigterm_rank: int = 0,
+    plugins: Callable[[], Plugins] | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` steps straight; then the same run with checkpointing, stopped after
+    ``stop_after`` steps by a SIGTERM only rank ``sigterm_rank`` gets, and resumed to the end.
+
+    ``plugins`` makes fresh plugin objects for each of the three runs (a module-level function
+    on several processes). Returns, on each rank: ``stopped_at`` and ``step_at_resume`` (both
+    ``stop_after`` when the stop worked), ``straight`` and ``resumed`` (this rank's
+    :func:`parameter_checksums`), ``plugins`` (the resumed run's objects, by name) and, on
+    rank 0, ``straight_metrics`` and ``resumed_metrics``. A resumed run continues exactly when
+    the checksums and the metrics are equal.
+    """
+    root = Path(dump_folder)
+    fresh = plugins if plugins is not None else tuple
+
+    def train(trainer: Any) -> Any:
+        trainer.train()
+        trainer.close()
+        return trainer
+
+    straight = train(make_trainer(root / "straight", *args, steps=steps, plugins=fresh()))
+    checkpointed = (
+        "--checkpoint.enable", "true", "--checkpoint.interval", str(steps),
+        "--checkpoint.async_mode", "disabled", *args,
+    )  # fmt: skip
+    stop = [*fresh(), ("sigterm", SigtermAt(stop_after, sigterm_rank))]
+    first = train(make_trainer(root / "resumed", *checkpointed, steps=steps, plugins=stop))
+    resumed_plugins = list(fresh())
+    second = make_trainer(root / "resumed", *checkpointed, steps=steps, plugins=resumed_plugins)
+    step_at_resume = second.step
+    train(second)
+    result: dict[str, Any] = {
+        "rank": second.world.rank,
+        "stopped_at": first.step,
+        "step_at_resume": step_at_resume,
+        "straight": parameter_checksums(straight.model),
+        "resumed": parameter_checksums(second.model),
+        "plugins": dict(resumed_plugins),
+    }
+    if second.world.is_main:
+        result["straight_metrics"] = read_metrics(root / "straight")
+        result["resumed_metrics"] = read_metrics(root / "resumed")
+    return result
 
 
 @dataclass

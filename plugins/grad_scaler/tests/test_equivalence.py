@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import warnings
 
-import grad_scaler_testing as gst
 import pytest
 import torch
 
 from plugtrain.plugin import gradients, hookimpl, local_tensor
+from plugtrain.testing import InjectInf, make_trainer, poison, read_metrics
 from plugtrain.training.trainer import Trainer, cross_entropy
 
 STEPS = 6
 INF_STEPS = {2, 5}
-TRAINING = (*gst.FP16, "--training.grad_accum_steps", "2", "--lr_scheduler.warmup_steps", "2")
+FP16 = ("--training.mixed_precision_param", "float16")
+TRAINING = (*FP16, "--training.grad_accum_steps", "2", "--lr_scheduler.warmup_steps", "2")
 SCALER = ("--grad_scaler.growth_interval", "2")
 MAX_NORM = 0.5
 
@@ -41,7 +42,7 @@ def reference_loop(dump_folder, clip: bool) -> tuple[Trainer, list[float], list[
     Returns the trained trainer, the scale after each step and the norm after unscale_."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "training.mixed_precision_param is float16")
-        trainer = gst.make_trainer(dump_folder, *TRAINING, steps=STEPS)  # no plugins
+        trainer = make_trainer(dump_folder, *TRAINING, steps=STEPS)  # no plugins
     model, optimizer, lr_scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
     scaler = torch.amp.GradScaler("cpu", growth_interval=2)
     scales, norms = [], []
@@ -50,7 +51,7 @@ def reference_loop(dump_folder, clip: bool) -> tuple[Trainer, list[float], list[
         for inputs, targets in batch:
             scaler.scale(cross_entropy(model(inputs), targets) / len(batch)).backward()
         if step in INF_STEPS:
-            gst.poison(model)
+            poison(model)
         scaler.unscale_(optimizer)
         norms.append(grad_norm(model))
         if clip:
@@ -71,17 +72,18 @@ def check_against_reference(
     compare with ``reference_loop``, clipping there too if grad_clip is enabled."""
     clip = "grad_clip" in enabled
     reader = GradNorms()
-    others = {"inject": gst.InjectInf(INF_STEPS), "reader": reader}
-    order = {"extra": others} if scaler_registered_first else {"first": others}
-    trainer = gst.make_trainer(
+    others = [("inject", InjectInf(INF_STEPS)), ("reader", reader)]
+    plugins = [(name, None) for name in enabled.split(",")]
+    order = [*plugins, *others] if scaler_registered_first else [*others, *plugins]
+    trainer = make_trainer(
         tmp_path / "plugin", *TRAINING, "--plugins.enabled", enabled, *SCALER,
-        *(("--grad_clip.max_norm", str(MAX_NORM)) if clip else ()), steps=STEPS, **order,
+        *(("--grad_clip.max_norm", str(MAX_NORM)) if clip else ()), steps=STEPS, plugins=order,
     )  # fmt: skip
     assert [n for n in trainer.host.names() if n.startswith("grad_")] == enabled.split(",")
     trainer.train()
     reference, ref_scales, ref_norms = reference_loop(tmp_path / "reference", clip)
 
-    records = gst.read_metrics(tmp_path / "plugin")
+    records = read_metrics(tmp_path / "plugin")
     assert [r["grad_scaler/loss_scale"] for r in records] == ref_scales
     assert ref_scales == [2.0**16, 2.0**15, 2.0**15, 2.0**16, 2.0**15, 2.0**15]
     assert [r["grad_scaler/skipped_steps"] for r in records] == [0, 1, 1, 1, 2, 2]

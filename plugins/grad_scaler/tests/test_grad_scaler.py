@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import re
 
-import grad_scaler_testing as gst
 import pytest
 import torch
 from plugtrain_grad_scaler import GradScalerConfig
 
 from plugtrain.config import build_config
 from plugtrain.errors import ConfigError
+from plugtrain.testing import InjectInf, make_trainer, read_metrics
+from plugtrain.training.trainer import Trainer
 
 ENABLE = ("--plugins.enabled", "grad_scaler")
+FP16 = ("--training.mixed_precision_param", "float16")
 
 
 def section(**values) -> GradScalerConfig:
@@ -49,7 +51,7 @@ def test_bad_values_name_the_key(values, message):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_enabled_true_without_float16_is_a_clear_error(tmp_path, dtype):
     with pytest.raises(ConfigError) as err:
-        gst.make_trainer(
+        make_trainer(
             tmp_path, "--training.mixed_precision_param", dtype, *ENABLE,
             "--grad_scaler.enabled", "true",
         )  # fmt: skip
@@ -62,20 +64,20 @@ def test_enabled_true_without_float16_is_a_clear_error(tmp_path, dtype):
 
 @pytest.mark.parametrize(("enabled", "active"), [("auto", True), ("true", True), ("false", False)])
 def test_float16_activation_and_the_missing_scaler_warning(tmp_path, recwarn, enabled, active):
-    trainer = gst.make_trainer(tmp_path, *gst.FP16, *ENABLE, "--grad_scaler.enabled", enabled)
+    trainer = make_trainer(tmp_path, *FP16, *ENABLE, "--grad_scaler.enabled", enabled)
     assert ("grad_scaler" in trainer.host.names()) is active
     warned = [w for w in recwarn if "no enabled plugin scales the loss" in str(w.message)]
     assert bool(warned) is not active
 
 
-def run_with_infs(tmp_path, *args: str, steps: int, inf_steps=()) -> tuple[gst.Trainer, list]:
-    trainer = gst.make_trainer(
-        tmp_path, *gst.FP16, *ENABLE, *args, steps=steps,
-        extra={"inject": gst.InjectInf(inf_steps)},
+def run_with_infs(tmp_path, *args: str, steps: int, inf_steps=()) -> tuple[Trainer, list]:
+    trainer = make_trainer(
+        tmp_path, *FP16, *ENABLE, *args, steps=steps,
+        plugins=[("inject", InjectInf(inf_steps))],
     )  # fmt: skip
     trainer.train()
     trainer.close()
-    return trainer, gst.read_metrics(tmp_path)
+    return trainer, read_metrics(tmp_path)
 
 
 GROWTH = (
@@ -108,24 +110,24 @@ def test_state_dict_round_trip_restores_scale_and_growth_tracker(tmp_path):
     }
     assert all(isinstance(v, torch.Tensor) for v in state.values())  # no pickled objects
 
-    resumed = gst.make_trainer(tmp_path / "b", *gst.FP16, *ENABLE, *GROWTH, steps=1)
+    resumed = make_trainer(tmp_path / "b", *FP16, *ENABLE, *GROWTH, steps=1)
     plugin = resumed.host.get("grad_scaler")
     plugin.load_state_dict(state)
     assert plugin.state_dict() == state
     assert plugin.skipped_steps == 2
     resumed.train()
     # The restored tracker makes the first clean step the second of the interval: growth.
-    assert gst.read_metrics(tmp_path / "b")[-1]["grad_scaler/loss_scale"] == 256 * 4
+    assert read_metrics(tmp_path / "b")[-1]["grad_scaler/loss_scale"] == 256 * 4
 
 
 def test_resume_of_a_bfloat16_checkpoint_into_float16_starts_at_init_scale(tmp_path):
-    bf16 = gst.make_trainer(
+    bf16 = make_trainer(
         tmp_path / "bf16", "--training.mixed_precision_param", "bfloat16", *ENABLE, steps=1
     )
     assert "grad_scaler" not in bf16.host.call_each("state_dict")  # nothing saved
-    fp16 = gst.make_trainer(
-        tmp_path / "fp16", *gst.FP16, *ENABLE, "--grad_scaler.init_scale", "512", steps=1
+    fp16 = make_trainer(
+        tmp_path / "fp16", *FP16, *ENABLE, "--grad_scaler.init_scale", "512", steps=1
     )
     fp16.host.get("grad_scaler").load_state_dict({})  # tolerated all the same
     fp16.train()
-    assert gst.read_metrics(tmp_path / "fp16")[-1]["grad_scaler/loss_scale"] == 512
+    assert read_metrics(tmp_path / "fp16")[-1]["grad_scaler/loss_scale"] == 512

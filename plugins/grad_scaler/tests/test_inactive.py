@@ -3,12 +3,48 @@
 from __future__ import annotations
 
 import json
+import warnings
+from collections import Counter
+from pathlib import Path
 
-import grad_scaler_testing as gst
 import pytest
 import torch
-from distributed import run_distributed
-from grad_scaler_testing import PROFILED_STEPS, SYNC, UNSCALE, profiled_run
+from torch.profiler import ProfilerActivity, profile
+
+from plugtrain.testing import make_trainer, run_distributed
+from plugtrain.training.trainer import Trainer
+
+PROFILED_STEPS = 2
+UNSCALE = "aten::_amp_foreach_non_finite_check_and_unscale_"
+SYNC = "aten::_local_scalar_dense"  # what .item() runs
+
+
+def profiled_run(dump_folder: str | Path, dtype: str, *args: str) -> tuple[Trainer, Counter]:
+    """Train PROFILED_STEPS steps under the profiler; return the trainer and operator counts."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "training.mixed_precision_param is float16")
+        trainer = make_trainer(
+            dump_folder, "--training.mixed_precision_param", dtype, "--metrics.log_freq", "1000",
+            *args, steps=PROFILED_STEPS,
+        )  # fmt: skip
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.train()
+    trainer.close()
+    return trainer, Counter(e.name for e in prof.events())
+
+
+def count_collectives(dump_folder: str) -> dict[tuple[str, bool], Counter]:
+    """Run on each rank: the collectives of profiled runs, by (dtype, whether grad_scaler
+    is enabled)."""
+    counts = {}
+    for dtype in ("bfloat16", "float32", "float16"):
+        for enabled in (False, True):
+            args = ("--plugins.enabled", "grad_scaler") if enabled else ()
+            _, ops = profiled_run(Path(dump_folder, f"{dtype}-{enabled}"), dtype, *args)
+            counts[dtype, enabled] = Counter(
+                {name: n for name, n in ops.items() if name.startswith("c10d::")}
+            )
+    return counts
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -43,7 +79,7 @@ def test_the_profiler_sees_the_active_plugins_work(tmp_path):
 @pytest.mark.slow
 def test_no_extra_collectives_on_two_processes(tmp_path):
     """A world of one runs no collectives at all, so this needs two processes."""
-    for rank_counts in run_distributed(gst.count_collectives, 2, str(tmp_path)):
+    for rank_counts in run_distributed(count_collectives, 2, str(tmp_path)):
         for dtype in ("bfloat16", "float32"):
             plain, auto = rank_counts[dtype, False], rank_counts[dtype, True]
             assert plain and auto == plain, dtype
