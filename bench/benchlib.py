@@ -1,4 +1,5 @@
-"""What every benchmark in ``bench/`` shares: arguments, statistics, tables, JSON, processes.
+"""What every benchmark in ``bench/`` shares: arguments, statistics, tables, JSON (processes:
+the test kit's ``plugtrain.testing.run_distributed``).
 
 Each benchmark is a script (``python bench/<name>.py``) that prints a table and writes its
 results as JSON (``outputs/bench/<name>.json`` unless ``--out`` says otherwise). Comparisons are
@@ -12,16 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -189,48 +186,7 @@ def write_json(path: Path, name: str, args: argparse.Namespace, results: Any) ->
     print(f"\nwrote {path}")
 
 
-# --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, nproc: int, port: int, out: str, fn: Callable, args: tuple) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
-    from plugtrain.distributed import destroy_world
-
-    try:
-        result: Any = ("ok", fn(*args))
-        destroy_world()
-    except BaseException as e:  # handed to the parent, which raises it
-        result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-
-
-def spawn(fn: Callable, nproc: int, *args: Any) -> list[Any]:
-    """Run ``fn(*args)`` on ``nproc`` fresh processes joined by gloo on the loopback interface.
-
-    Returns each rank's result. ``fn`` must be a module-level function. Each process starts
-    from nothing (spawn), so its peak memory is its own run's, whatever the parent holds.
-    """
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(
-            _worker, args=(nproc, free_port(), out, fn, args), nprocs=nproc, start_method="spawn"
-        )
-        results = [pickle.loads(Path(out, f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
-    errors = [message for status, message in results if status == "error"]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [value for _, value in results]
+# --------------------------------------------------------------------------- runs
 
 
 def trainer_args(

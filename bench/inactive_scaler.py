@@ -24,6 +24,8 @@ import benchlib
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from plugtrain.testing import run_distributed
+
 NAME = "inactive_scaler"
 INF_CHECK = "aten::_amp_foreach_non_finite_check_and_unscale_"
 BACKEND_COLLECTIVES = ("gloo:", "nccl:")
@@ -113,7 +115,7 @@ def main() -> None:
     if args.quick:
         args.steps, args.dtypes = 1, "bfloat16,float16"
     dtypes = args.dtypes.split(",")
-    per_rank = benchlib.spawn(worker, args.nproc, args.flavor, dtypes, args.steps, args.threads)
+    per_rank = run_distributed(worker, args.nproc, args.flavor, dtypes, args.steps, args.threads)
     rows = []
     for rank, results in enumerate(per_rank):
         for r in results:

@@ -26,6 +26,7 @@ import benchlib
 import torch
 
 from plugtrain.plugin import StepContext, hookimpl, local_tensor
+from plugtrain.testing import run_distributed
 
 NAME = "scaling"
 MIB = 2**20
@@ -121,7 +122,7 @@ def main() -> None:
         nproc, threads = configs[i]
         print(f"round {n // len(configs) + 1}: {nproc} process(es) x {threads} thread(s)")
         runs[nproc, threads].append(
-            benchlib.spawn(worker, nproc, train_args, threads, 2, args.steps)
+            run_distributed(worker, nproc, train_args, threads, 2, args.steps)
         )
     tokens_per_step = args.batch_size * args.seq_len
     results, rows = [], []

@@ -1,22 +1,32 @@
-"""Shared fixtures: small, fast runs of the real trainer on the shipped sample."""
+"""Fixtures of the core's tests; the test kit (plugtrain.testing, a pytest plugin) gives
+the rest."""
 
 from __future__ import annotations
 
-import json
-import sys
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the helper modules below (distributed, runs)
 
 
 @pytest.fixture
 def repo() -> Path:
+    """The repository's root folder."""
     return REPO
 
 
-def read_metrics(dump_folder: Path) -> list[dict]:
-    """The JSONL records a run wrote, in order."""
-    return [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+def _readme_command(repo: Path, label: str) -> str:
+    text = (repo / "README.md").read_text()
+    match = re.search(rf"<!-- {label} -->\s*```(?:bash|sh)?\n(.+?)\n```", text, re.S)
+    assert match, f"README.md has no '<!-- {label} -->' command block"
+    return match.group(1).strip()
+
+
+@pytest.fixture
+def readme_command() -> Callable[[Path, str], str]:
+    """``readme_command(repo, label)``: the command in the fenced block that follows README's
+    line ``<!-- label -->``."""
+    return _readme_command

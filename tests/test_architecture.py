@@ -11,7 +11,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
-from runs import REPO
+
+REPO = Path(__file__).resolve().parents[1]
 
 CORE = REPO / "core" / "src"
 PLUGIN_API = {"plugtrain.plugin", "plugtrain.testing"}

@@ -13,12 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import checkpoint_workers as cw
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import read_metrics
-from runs import REPO, run_train_py, tiny_args
 from torch.distributed.checkpoint import FileSystemWriter
 
 from plugtrain.checkpoint.dcp_io import flat_keys, read_checkpoint, to_tensors
@@ -26,8 +23,141 @@ from plugtrain.checkpoint.faults import FAULT_ENV
 from plugtrain.checkpoint.manager import complete_checkpoints
 from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.observability.metrics import truncate_metrics
+from plugtrain.plugin import SetupContext, StepContext, hookimpl
+from plugtrain.testing import (
+    SigtermAt,
+    make_trainer,
+    read_metrics,
+    run_distributed,
+    run_script,
+    tiny_args,
+)
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_PY = REPO / "train.py"
+
+# -- the scenarios, run in-process (a world of one) or on each rank by run_distributed --
+
+K = 4
+"""Steps before the interruption; every scenario trains 2K steps in all."""
+
+
+class StepCounter:
+    """A stateful plugin: counts steps in a Python int and sums them in a tensor."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = torch.zeros((), dtype=torch.float64)
+        self.loaded: list[dict] = []
+
+    @hookimpl
+    def post_step(self, ctx: StepContext) -> None:
+        self.count += 1
+        self.total += ctx.step
+
+    @hookimpl
+    def state_dict(self) -> dict:
+        return {"count": self.count, "nested": {"total": self.total}}
+
+    @hookimpl
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.count, self.total = state_dict["count"], state_dict["nested"]["total"]
+        self.loaded.append({"count": self.count, "total": self.total.item()})
+
+
+class Stateless:
+    """Implements load_state_dict but saves nothing: it must never be asked to load."""
+
+    def __init__(self) -> None:
+        self.loaded = 0
+
+    @hookimpl
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loaded += 1
+
+
+class Dormant:
+    """Has state but deactivates itself in setup: it must contribute nothing."""
+
+    @hookimpl
+    def setup(self, ctx: SetupContext) -> None:
+        ctx.deactivate(self, "dormant: nothing to do")
+
+    @hookimpl
+    def state_dict(self) -> dict:
+        raise AssertionError("a deactivated plugin's state_dict was called")
+
+
+def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded (collective), by name."""
+    return {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
+
+
+def build(dump_folder: Path, *args: str, plugins: dict | None = None) -> Trainer:
+    return make_trainer(dump_folder, *args, steps=2 * K, plugins=list((plugins or {}).items()))
+
+
+def finish(trainer: Trainer) -> Trainer:
+    trainer.train()
+    trainer.close()
+    return trainer
+
+
+def interrupted_and_resumed(
+    root: str, dtype: str, async_mode: str, sigterm_rank: int, extra: tuple[str, ...] = ()
+) -> dict:
+    """Train 2K steps straight (no checkpoints), then K steps stopped by a SIGTERM that only
+    rank ``sigterm_rank`` gets mid-step, then resume to 2K; ``extra`` arguments go to every
+    run. Rank 0 returns what to compare."""
+    torch.set_num_threads(1)
+    root_path = Path(root) / f"{dtype}-{async_mode}"
+    args = ["--training.mixed_precision_param", dtype, *extra]
+    straight = finish(build(root_path / "straight", *args, plugins={"counter": StepCounter()}))
+    ckpt = [
+        *args,
+        "--checkpoint.enable", "true",
+        "--checkpoint.interval", "3",  # due at 3 and 6 only: the stop at K is the SIGTERM's
+        "--checkpoint.async_mode", async_mode,
+    ]  # fmt: skip
+    resumed_folder = root_path / "resumed"
+    first = finish(
+        build(
+            resumed_folder,
+            *ckpt,
+            plugins={"counter": StepCounter(), "sigterm": SigtermAt(K, sigterm_rank)},
+        )
+    )
+    saved_after_stop = sorted(p.name for p in (resumed_folder / "checkpoints").iterdir())
+    plugins = {"counter": StepCounter(), "stateless": Stateless(), "dormant": Dormant()}
+    second = build(resumed_folder, *ckpt, plugins=plugins)
+    step_at_resume = second.step
+    finish(second)
+    result = {
+        "stopped_at": first.step,
+        "saved_after_stop": saved_after_stop,
+        "step_at_resume": step_at_resume,
+        "counter_loaded": plugins["counter"].loaded,
+        "counter_final": plugins["counter"].count,
+        "stateless_loaded": plugins["stateless"].loaded,
+        "straight_params": full_parameters(straight),
+        "resumed_params": full_parameters(second),
+        "rank": second.world.rank,
+    }
+    if second.world.is_main:
+        result["straight_records"] = read_metrics(root_path / "straight")
+        result["resumed_records"] = read_metrics(resumed_folder)
+    return result
+
+
+TWO_RANK_SCENARIOS = [("float32", "disabled"), ("bfloat16", "async"), ("float16", "disabled")]
+
+
+def two_rank_scenarios(root: str) -> list[dict]:
+    """:func:`interrupted_and_resumed` for each of TWO_RANK_SCENARIOS, SIGTERM on rank 1 only."""
+    return [interrupted_and_resumed(root, d, m, 1) for d, m in TWO_RANK_SCENARIOS]
+
 
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "2")
 
@@ -48,8 +178,8 @@ def reference(tmp_path_factory) -> dict:
     torch.set_num_threads(1)
     try:
         folder = tmp_path_factory.mktemp("reference")
-        trainer = cw.run(cw.build(folder))
-        return {"records": read_metrics(folder), "params": cw.full_parameters(trainer)}
+        trainer = finish(build(folder))
+        return {"records": read_metrics(folder), "params": full_parameters(trainer)}
     finally:
         torch.set_num_threads(threads)
 
@@ -77,16 +207,16 @@ def model_tensors(path) -> dict:
 )
 def test_interrupted_run_resumes_exactly(tmp_path, dtype, async_mode):
     handler = signal.getsignal(signal.SIGTERM)
-    r = cw.interrupted_and_resumed(str(tmp_path), dtype, async_mode, 0)
+    r = interrupted_and_resumed(str(tmp_path), dtype, async_mode, 0)
     assert signal.getsignal(signal.SIGTERM) is handler  # given back at close
-    assert r["stopped_at"] == cw.K
-    assert r["saved_after_stop"] == ["step-3", f"step-{cw.K}"]
-    assert r["step_at_resume"] == cw.K
+    assert r["stopped_at"] == K
+    assert r["saved_after_stop"] == ["step-3", f"step-{K}"]
+    assert r["step_at_resume"] == K
     assert steps_losses(r["resumed_records"]) == steps_losses(r["straight_records"])
-    assert len(steps_losses(r["resumed_records"])) == 2 * cw.K
+    assert len(steps_losses(r["resumed_records"])) == 2 * K
     assert_same_parameters(r["resumed_params"], r["straight_params"])
-    assert r["counter_loaded"] == [{"count": cw.K, "total": sum(range(1, cw.K + 1))}]
-    assert r["counter_final"] == 2 * cw.K
+    assert r["counter_loaded"] == [{"count": K, "total": sum(range(1, K + 1))}]
+    assert r["counter_final"] == 2 * K
     assert r["stateless_loaded"] == 0
 
 
@@ -94,18 +224,18 @@ def test_a_save_before_the_first_optimizer_step_changes_nothing(tmp_path, refere
     # Step 1 vetoed: AdamW has no state yet when step-1 is saved. get_state_dict fills it by
     # taking a zero-lr step, which would shift AdamW's step count for the rest of the run.
     veto = ["--plugins.enabled", "hook_recorder", "--hook_recorder.veto_steps", "[1]"]
-    plain = cw.run(cw.build(tmp_path / "plain", *veto))
+    plain = finish(build(tmp_path / "plain", *veto))
     args = [*veto, *CKPT, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
-    cw.run(cw.build(tmp_path / "saved", *args))
+    finish(build(tmp_path / "saved", *args))
     expected = steps_losses(read_metrics(tmp_path / "plain"))
     assert expected != steps_losses(reference["records"])  # the veto matters
     assert steps_losses(read_metrics(tmp_path / "saved")) == expected
     resume_at_1 = ("--checkpoint.load_step", "1", "--checkpoint.discard_later", "true")
-    resumed = cw.build(tmp_path / "saved", *args, *resume_at_1)
+    resumed = build(tmp_path / "saved", *args, *resume_at_1)
     assert resumed.step == 1 and not resumed.optimizer.state
-    cw.run(resumed)
+    finish(resumed)
     assert steps_losses(read_metrics(tmp_path / "saved")) == expected
-    assert_same_parameters(cw.full_parameters(resumed), cw.full_parameters(plain))
+    assert_same_parameters(full_parameters(resumed), full_parameters(plain))
 
 
 def test_resume_restores_rng_states(tmp_path):
@@ -113,38 +243,38 @@ def test_resume_restores_rng_states(tmp_path):
 
     import numpy as np
 
-    trainer = cw.build(tmp_path, *CKPT, "--training.steps", "2")
-    cw.run(trainer)
+    trainer = build(tmp_path, *CKPT, "--training.steps", "2")
+    finish(trainer)
     expected = torch.rand(3), random.random(), np.random.rand()
     torch.manual_seed(123), random.seed(123), np.random.seed(123)
-    cw.build(tmp_path, *CKPT, "--training.steps", "2").close()
+    build(tmp_path, *CKPT, "--training.steps", "2").close()
     assert torch.equal(torch.rand(3), expected[0])
     assert (random.random(), np.random.rand()) == expected[1:]
 
 
 def test_saves_on_schedule_and_keeps_the_latest_k(tmp_path):
-    cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "2", "--training.steps", "7"))
+    finish(build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "2", "--training.steps", "7"))
     folder = tmp_path / "checkpoints"
     assert sorted(os.listdir(folder)) == ["step-6", "step-7"]  # 2, 4, 6 by interval, 7 the last
-    cw.run(cw.build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "0", "--training.steps", "8"))
+    finish(build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "0", "--training.steps", "8"))
     assert list(complete_checkpoints(folder)) == [6, 7, 8]
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))
 
 
 def test_crash_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path, reference):
     # The crash: after writing its shard and DCP's .metadata, before the commit (rename).
-    env = {FAULT_ENV: f"before_commit:{cw.K}:0"}
-    crashed = run_train_py([*tiny_args(tmp_path, steps=2 * cw.K), *CKPT], env=env)
+    env = {FAULT_ENV: f"before_commit:{K}:0"}
+    crashed = run_script(TRAIN_PY, [*tiny_args(tmp_path, steps=2 * K), *CKPT], env=env)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     folder = tmp_path / "checkpoints"
-    assert sorted(os.listdir(folder)) == ["step-2", f"step-{cw.K}.partial"]
-    assert (folder / f"step-{cw.K}.partial" / ".metadata").is_file()  # looks complete to DCP
-    resumed = cw.build(tmp_path, *CKPT)
+    assert sorted(os.listdir(folder)) == ["step-2", f"step-{K}.partial"]
+    assert (folder / f"step-{K}.partial" / ".metadata").is_file()  # looks complete to DCP
+    resumed = build(tmp_path, *CKPT)
     assert resumed.step == 2
-    cw.run(resumed)
+    finish(resumed)
     assert sorted(os.listdir(folder)) == ["step-4", "step-6", "step-8"]  # the partial is gone
     assert steps_losses(read_metrics(tmp_path)) == steps_losses(reference["records"])
-    assert_same_parameters(cw.full_parameters(resumed), reference["params"])
+    assert_same_parameters(full_parameters(resumed), reference["params"])
     assert_same_parameters(model_tensors(folder / "step-8"), reference["params"])
 
 
@@ -188,12 +318,12 @@ def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
 
 
 def saved_run(tmp_path, *args: str) -> Trainer:
-    return cw.run(cw.build(tmp_path, *CKPT, "--training.steps", "4", *args))
+    return finish(build(tmp_path, *CKPT, "--training.steps", "4", *args))
 
 
 def resume_error(tmp_path, *args: str) -> str:
     with pytest.raises(CheckpointError) as info:
-        cw.build(tmp_path, *CKPT, *args)
+        build(tmp_path, *CKPT, *args)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -227,7 +357,7 @@ def test_starting_afresh_over_checkpoints_is_refused_and_deletes_nothing(tmp_pat
     assert run_records(tmp_path) == before
     capsys.readouterr()
     discard = ("--checkpoint.load_step", "0", "--checkpoint.discard_later", "true")
-    afresh = cw.build(tmp_path, *CKPT, *discard)
+    afresh = build(tmp_path, *CKPT, *discard)
     afresh.close()
     log = capsys.readouterr().err
     assert afresh.step == 0 and not complete_checkpoints(tmp_path / "checkpoints")
@@ -253,19 +383,19 @@ def test_resuming_before_later_checkpoints_is_refused_unless_discarded(tmp_path,
     )
     capsys.readouterr()
     discard = ("--checkpoint.load_step", "2", "--checkpoint.discard_later", "true")
-    resumed = cw.build(tmp_path, *CKPT, *requeued, "--training.steps", "4", *discard)
+    resumed = build(tmp_path, *CKPT, *requeued, "--training.steps", "4", *discard)
     assert resumed.step == 2
     assert "deleted step-3, step-4 (checkpoint.discard_later)" in capsys.readouterr().err
-    cw.run(resumed)
+    finish(resumed)
     assert list(complete_checkpoints(tmp_path / "checkpoints")) == [1, 2, 3, 4]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
 def test_a_save_never_replaces_a_complete_checkpoint(tmp_path):
-    trainer = cw.build(tmp_path, *CKPT, "--training.steps", "4")
+    trainer = build(tmp_path, *CKPT, "--training.steps", "4")
     # Another run, writing to the same folder meanwhile, has saved the step this one will.
     foreign = tmp_path / "checkpoints" / "step-2"
-    cw.run(cw.build(tmp_path / "other", *CKPT, "--training.steps", "2"))
+    finish(build(tmp_path / "other", *CKPT, "--training.steps", "2"))
     shutil.copytree(tmp_path / "other" / "checkpoints" / "step-2", foreign)
     (foreign / "mark").touch()
     try:
@@ -292,7 +422,7 @@ def test_a_resume_that_changes_a_fixed_setting_is_refused_and_writes_nothing(tmp
     # A checkpoint of an older plugtrain, without its config.json: resumed, with a warning.
     (step4 / "config.json").unlink()
     capsys.readouterr()
-    cw.build(tmp_path, *CKPT, "--training.steps", "4", "--optimizer.lr", "1e-5").close()
+    build(tmp_path, *CKPT, "--training.steps", "4", "--optimizer.lr", "1e-5").close()
     assert f"checkpoint {step4} has no config.json" in capsys.readouterr().err
 
 
@@ -301,7 +431,7 @@ def test_extending_a_finished_run_keeps_its_lr_schedule_and_says_so(tmp_path, ca
     planned = json.loads((tmp_path / "checkpoints" / "step-4" / "config.json").read_text())
     assert planned["training"]["steps"] == 4
     capsys.readouterr()
-    cw.run(cw.build(tmp_path, *CKPT, "--training.steps", "6", "--job.description", "longer"))
+    finish(build(tmp_path, *CKPT, "--training.steps", "6", "--job.description", "longer"))
     lr = {r["step"]: r["lr"] for r in read_metrics(tmp_path)}
     assert list(lr) == [1, 2, 3, 4, 5, 6]
     assert lr[4] > lr[5] == lr[6] == pytest.approx(3e-3 * 0.1)  # decayed to the end, no jump
@@ -402,7 +532,7 @@ def save_failure(capsys, folder, argv: list[str]) -> str:
     (line,) = [line for line in err.splitlines() if line.startswith("plugtrain: error:")]
     checkpoints = folder / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == ["step-2"]  # intact; the partial step-4 is gone
-    resumed = cw.build(folder, *CKPT)
+    resumed = build(folder, *CKPT)
     resumed.close()
     assert resumed.step == 2
     return line
@@ -459,3 +589,80 @@ def test_config_is_validated():
         configure(["--checkpoint.load_step", "4"])
     with pytest.raises(ConfigError, match=r"'checkpoint\.async_mode' is 'asink' \(did you mean"):
         configure(["--checkpoint.async_mode", "asink"])
+
+
+# -- on two processes: exact resume, SIGTERM on one rank, resharding 2 -> 1, kill -9 --
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """Each scenario's results on both ranks, by (dtype, async_mode)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    per_rank = run_distributed(two_rank_scenarios, 2, str(root))
+    return {
+        scenario: [results[i] for results in per_rank]
+        for i, scenario in enumerate(TWO_RANK_SCENARIOS)
+    } | {"root": root}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", TWO_RANK_SCENARIOS, ids="-".join)
+def test_two_processes_resume_exactly_after_sigterm_on_one_rank(two_ranks, scenario):
+    ranks = two_ranks[scenario]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["stopped_at"] == K and r["step_at_resume"] == K, r["rank"]
+        assert r["saved_after_stop"] == ["step-3", f"step-{K}"]
+        assert_same_parameters(r["resumed_params"], r["straight_params"])
+        assert r["counter_loaded"] == [{"count": K, "total": sum(range(1, K + 1))}]
+        assert r["counter_final"] == 2 * K and r["stateless_loaded"] == 0
+    main = ranks[0]
+    assert steps_losses(main["resumed_records"]) == steps_losses(main["straight_records"])
+    assert len(steps_losses(main["resumed_records"])) == 2 * K
+
+
+@pytest.mark.slow
+def test_a_two_process_checkpoint_resumes_on_one(two_ranks, tmp_path):
+    two = two_ranks[("float32", "disabled")][0]
+    source = two_ranks["root"] / "float32-disabled" / "resumed" / "checkpoints" / f"step-{K}"
+    shutil.copytree(source, tmp_path / "checkpoints" / f"step-{K}")
+    trainer = build(tmp_path, *CKPT)
+    assert trainer.step == K
+    loaded = full_parameters(trainer)
+    assert_same_parameters(loaded, model_tensors(source))  # resharded bit for bit
+    finish(trainer)
+    got = read_metrics(tmp_path)
+    expected = [r for r in two["straight_records"] if r["step"] > K]
+    assert (
+        [r["step"] for r in got] == [r["step"] for r in expected] == list(range(K + 1, 2 * K + 1))
+    )
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], rel=1e-5)
+    assert [r["lr"] for r in got] == [r["lr"] for r in expected]
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_after_kill_9_and_finishes_like_an_uninterrupted_run(two_ranks, tmp_path):
+    # Two crashes, each once: rank 1 dies while saving step 4 (its shard and DCP's metadata
+    # written, the checkpoint not yet committed), then rank 0 dies after step 5.
+    markers = tmp_path / "saving-killed", tmp_path / "step-killed"
+    faults = f"before_commit:{K}:1:{markers[0]},after_step:{K + 1}:0:{markers[1]}"
+    run = tmp_path / "run"
+    result = run_script(
+        TRAIN_PY,
+        [*tiny_args(run, steps=2 * K), *CKPT],
+        nproc=2,
+        # NOTE: torch 2.13's agent keeps its rendezvous store across restarts, and restarted
+        # workers then read the dead ones' gloo addresses from it and hang (pytorch#135712).
+        env={FAULT_ENV: faults, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        torchrun_args=("--standalone", "--max-restarts=2"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert all(m.exists() for m in markers)
+    resumed = re.findall(r"resumed from \S+/(step-\d+) ", result.stderr)
+    assert resumed == ["step-2", f"step-{K}"]  # the half-saved step 4 was never loaded
+    straight = two_ranks[("float32", "disabled")][0]
+    assert steps_losses(read_metrics(run)) == steps_losses(straight["straight_records"])
+    checkpoints = sorted(os.listdir(run / "checkpoints"))
+    assert checkpoints == [f"step-{s}" for s in (K, K + 2, 2 * K)]
+    final = run / "checkpoints" / f"step-{2 * K}"
+    assert_same_parameters(model_tensors(final), straight["straight_params"])

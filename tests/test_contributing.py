@@ -15,7 +15,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from test_repository import readme_command
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # the scripts under test are plain modules there
@@ -511,7 +510,7 @@ def test_pytest_arguments_are_split_into_options_and_paths(args, options, paths)
 # -- CI workflow, CONTRIBUTING.md, requirements --------------------------------------------
 
 
-def test_ci_workflow_runs_readme_commands_on_every_pull_request(repo):
+def test_ci_workflow_runs_readme_commands_on_every_pull_request(repo, readme_command):
     import yaml
 
     workflow = yaml.safe_load((repo / ".github" / "workflows" / "ci.yml").read_text())
@@ -537,7 +536,7 @@ def test_ci_workflow_runs_readme_commands_on_every_pull_request(repo):
     assert checkout["with"]["fetch-depth"] == 0  # the PR's commits and ghstack's orig branches
 
 
-def test_contributing_covers_the_workflow(repo):
+def test_contributing_covers_the_workflow(repo, readme_command):
     text = (repo / "CONTRIBUTING.md").read_text()
     assert readme_command(repo, "setup") in text
     for needed in (

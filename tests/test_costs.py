@@ -8,8 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from distributed import run_distributed
-from runs import tiny_args
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _len_torch_dispatch_stack
@@ -17,6 +15,7 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack
 from plugtrain.distributed import init_world
 from plugtrain.observability.costs import CostCounter
 from plugtrain.plugin import hookimpl
+from plugtrain.testing import run_distributed, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
 

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-import workers
-from conftest import read_metrics
-from distributed import run_distributed
-from runs import run_train_py, tiny_args
+
+from plugtrain.testing import (
+    StepWatcher,
+    make_trainer,
+    read_metrics,
+    run_distributed,
+    run_script,
+    tiny_args,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_PY = REPO / "train.py"
+
+
+def veto_on_every_rank(dump_folder: str) -> dict:
+    """Run on each rank: hook_recorder vetoes step 2; what each step did on this rank."""
+    watcher = StepWatcher()
+    trainer = make_trainer(
+        dump_folder,
+        "--plugins.enabled",
+        "hook_recorder",
+        "--hook_recorder.veto_steps",
+        "[2]",
+        plugins=[("watcher", watcher)],
+    )
+    watcher.trainer = trainer
+    trainer.train()
+    trainer.close()
+    return {"changed": watcher.changed, "lr_steps": watcher.lr_steps, "rank": trainer.world.rank}
+
 
 pytestmark = pytest.mark.slow
 
@@ -17,9 +45,9 @@ def losses(dump_folder) -> list[float]:
 
 def test_two_processes_match_one_process_of_the_same_global_batch(tmp_path):
     args = ["--training.steps", "6", "--training.batch_size", "8"]
-    one = run_train_py([*tiny_args(tmp_path / "one"), *args])
+    one = run_script(TRAIN_PY, [*tiny_args(tmp_path / "one"), *args])
     assert one.returncode == 0, one.stderr
-    two = run_train_py([*tiny_args(tmp_path / "two"), *args], nproc=2)
+    two = run_script(TRAIN_PY, [*tiny_args(tmp_path / "two"), *args], nproc=2)
     assert two.returncode == 0, two.stderr
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(l1) == len(l2) == 6
@@ -29,7 +57,7 @@ def test_two_processes_match_one_process_of_the_same_global_batch(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_parameter_dtype_trains_on_two_processes(tmp_path, dtype):
-    result = run_train_py(
+    result = run_script(TRAIN_PY,
         [*tiny_args(tmp_path, steps=12), "--training.mixed_precision_param", dtype,
          "--training.batch_size", "8", "--optimizer.lr", "0.01"],
         nproc=2,
@@ -41,7 +69,7 @@ def test_every_parameter_dtype_trains_on_two_processes(tmp_path, dtype):
 
 
 def test_veto_leaves_parameters_and_schedule_unchanged_on_every_rank(tmp_path):
-    results = run_distributed(workers.veto_on_every_rank, 2, str(tmp_path))
+    results = run_distributed(veto_on_every_rank, 2, str(tmp_path))
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
         assert r["changed"] == {1: True, 2: False, 3: True}, r

@@ -12,13 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from runs import REPO, run_train_py, tiny_args
 
 from plugtrain.errors import DumpFolderError
+from plugtrain.testing import run_script, tiny_args
 from plugtrain.training import dump_folder
 from plugtrain.training.dump_folder import LOCK_FILE, claim_dump_folder
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_PY = REPO / "train.py"
 
 FIX = "set job.dump_folder to a folder you can write to"
 
@@ -38,7 +41,7 @@ def locked_elsewhere(folder: Path) -> bool:
 def test_a_dump_folder_that_is_a_file_is_one_line_and_exit_2(tmp_path):
     path = tmp_path / "run"
     path.write_text("not a folder")
-    result = run_train_py(tiny_args(path))
+    result = run_script(TRAIN_PY, tiny_args(path))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"plugtrain: error: job.dump_folder {path} is a file, not a folder: set job.dump_folder "
@@ -103,7 +106,7 @@ def test_a_second_run_in_a_folder_in_use_stops_and_touches_nothing(tmp_path):
         about = json.loads((tmp_path / LOCK_FILE).read_text())
         assert (about["pid"], about["host"]) == (os.getpid(), socket.gethostname())
         before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-        result = run_train_py(tiny_args(tmp_path))
+        result = run_script(TRAIN_PY, tiny_args(tmp_path))
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().splitlines() == [
             f"plugtrain: error: job.dump_folder {tmp_path} is in use by another run (pid "

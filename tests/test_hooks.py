@@ -6,20 +6,12 @@ import itertools
 
 import pytest
 import torch
-from conftest import read_metrics
-from runs import tiny_args
 from torch.distributed.tensor import DTensor
 
 from plugtrain.plugin import StepContext, hookimpl
+from plugtrain.testing import make_trainer, read_metrics, tiny_args
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
-
-
-def make_trainer(tmp_path, *args: str, extra: dict | None = None, steps: int = 3) -> Trainer:
-    config, host = configure([*tiny_args(tmp_path / "run", steps=steps), *args])
-    for name, plugin in (extra or {}).items():
-        host.register(plugin, name)
-    return Trainer(config, host)
 
 
 def expected_calls(steps: int, accum: int, vetoed=()) -> list[tuple]:
@@ -81,7 +73,7 @@ def test_step_context_contents_and_loss_replacement(tmp_path):
     probe = ContextProbe()
     trainer = make_trainer(
         tmp_path, "--training.grad_accum_steps", "2", "--optimizer.weight_decay", "0",
-        extra={"probe": probe}, steps=2,
+        plugins=[("probe", probe)], steps=2,
     )  # fmt: skip
     before = [p.detach().full_tensor().clone() for p in trainer.model.parameters()]
     trainer.train()
@@ -91,7 +83,7 @@ def test_step_context_contents_and_loss_replacement(tmp_path):
     after = [p.detach().full_tensor() for p in trainer.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     # The logged loss is the unscaled one, whatever pre_backward did to ctx.loss.
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
     assert all(loss > 5.0 for loss in losses)
 
 
@@ -225,7 +217,7 @@ def test_deactivated_plugin_never_fires_again(tmp_path):
         def pre_backward(self, ctx):
             Inactive.fired += 1
 
-    trainer = make_trainer(tmp_path, extra={"inactive": Inactive()}, steps=2)
+    trainer = make_trainer(tmp_path, plugins=[("inactive", Inactive())], steps=2)
     assert "inactive" not in trainer.host.names()
     trainer.train()
     assert Inactive.fired == 0
@@ -256,7 +248,7 @@ class BadVeto:
 def test_a_wrong_veto_is_a_one_line_error_naming_the_plugin_and_the_hook(
     tmp_path, capsys, answer, what
 ):
-    trainer = make_trainer(tmp_path, extra={"bad": BadVeto(answer)}, steps=2)
+    trainer = make_trainer(tmp_path, plugins=[("bad", BadVeto(answer))], steps=2)
     assert run_cli(trainer.train) == 2
     trainer.abort()
     (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
@@ -272,9 +264,9 @@ def test_a_device_veto_skips_without_a_reason_and_counts_for_its_plugin(tmp_path
         def pre_step(self, ctx):
             return torch.tensor(ctx.step % 2 == 0)
 
-    trainer = make_trainer(tmp_path, extra={"even": SkipEven()}, steps=4)
+    trainer = make_trainer(tmp_path, plugins=[("even", SkipEven())], steps=4)
     trainer.train()
     assert int(trainer.vetoes.total) == 2 and int(trainer.vetoes.by_plugin["even"]) == 2
     assert int(trainer.lr_scheduler.applied_steps) == 2
-    records = read_metrics(tmp_path / "run")
+    records = read_metrics(tmp_path)
     assert [r["skipped_steps.even"] for r in records] == [0, 1, 1, 2]

@@ -8,12 +8,11 @@ import sys
 import textwrap
 
 import pytest
-from conftest import read_metrics
-from runs import tiny_args
 
 from plugtrain.errors import ConfigError, PluginError
 from plugtrain.host.plugin_host import ENTRY_POINT_GROUP, PluginHost, installed_plugins
 from plugtrain.plugin import SetupContext, hookimpl
+from plugtrain.testing import read_metrics, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
 
@@ -31,7 +30,8 @@ def fake_entry_points(monkeypatch, **targets: str) -> None:
 
 
 def fake_distribution(tmp_path, monkeypatch, dist: str, version: str, **targets: str) -> None:
-    """Put a metadata-only distribution ``dist`` providing ``name=module:attr`` on sys.path."""
+    """Put a metadata-only distribution ``dist`` providing ``name=module:attr`` on the import
+    path."""
     info = tmp_path / "fake_site" / f"{dist}-{version}.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
@@ -225,7 +225,6 @@ def third_party(tmp_path, monkeypatch):
 
 
 def test_installed_distribution_is_discovered_enabled_and_fires(third_party, tmp_path):
-    from runs import tiny_args
 
     from plugtrain.training.trainer import Trainer
 

@@ -11,11 +11,10 @@ import math
 import re
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_metrics
-from runs import REPO, VALIDATION, tiny_args
 
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import ConfigError
@@ -23,8 +22,12 @@ from plugtrain.model.transformer import FLAVORS
 from plugtrain.observability import logs, timing
 from plugtrain.observability.metrics import format_line, use_color
 from plugtrain.observability.timing import StepTimer, peak_tflops, throughput
+from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+VALIDATION = SAMPLE / "validation.jsonl"
 
 PHASE_KEYS = ["time_data_s", "time_fwd_bwd_s", "time_hooks_s", "time_optimizer_s"]
 STEP_KEYS = {
@@ -323,10 +326,8 @@ def test_all_ranks_option_logs_info_everywhere(capsys, restore_logger):
 
 
 def test_a_new_run_moves_an_earlier_runs_metrics_aside(tmp_path):
-    from runs import run_train_py, tiny_args
-
     for steps in (2, 3):
-        result = run_train_py(tiny_args(tmp_path, steps=steps))
+        result = run_script(REPO / "train.py", tiny_args(tmp_path, steps=steps))
         assert result.returncode == 0, result.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     moved = (tmp_path / "metrics.1.jsonl").read_text().splitlines()

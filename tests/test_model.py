@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import socket
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from plugtrain.model.transformer import (
     apply_rotary_emb,
     precompute_freqs_cis,
 )
+from plugtrain.testing import free_port
 
 TINY = FLAVORS["tiny"]
 
@@ -255,12 +255,6 @@ def test_flops_per_token_matches_counted_matmul_flops() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # 2-process FSDP2 init
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def fsdp_init_worker(rank: int, world_size: int, port: int, args: ModelArgs, seed: int) -> None:

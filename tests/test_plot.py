@@ -6,13 +6,15 @@ import json
 import sys
 
 import pytest
-from runs import VALIDATION, tiny_args
 
 from plugtrain import cli
 from plugtrain.errors import DataError, MissingFileError, UserError
 from plugtrain.observability.plot import plot_runs, read_run
+from plugtrain.testing import SAMPLE, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
+
+VALIDATION = SAMPLE / "validation.jsonl"
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

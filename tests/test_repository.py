@@ -9,15 +9,7 @@ import textwrap
 import warnings
 
 
-def readme_command(repo, label: str) -> str:
-    """The command in the fenced block that follows README's line ``<!-- label -->``."""
-    text = (repo / "README.md").read_text()
-    match = re.search(rf"<!-- {label} -->\s*```(?:bash|sh)?\n(.+?)\n```", text, re.S)
-    assert match, f"README.md has no '<!-- {label} -->' command block"
-    return match.group(1).strip()
-
-
-def test_ci_runs_exactly_the_readme_setup_and_test_commands(repo):
+def test_ci_runs_exactly_the_readme_setup_and_test_commands(repo, readme_command):
     ci = [
         line
         for line in (repo / ".ci" / "run").read_text().splitlines()
@@ -26,7 +18,7 @@ def test_ci_runs_exactly_the_readme_setup_and_test_commands(repo):
     assert ci == [readme_command(repo, "setup"), readme_command(repo, "test")]
 
 
-def test_readme_run_command_is_plain_train_py(repo):
+def test_readme_run_command_is_plain_train_py(repo, readme_command):
     assert readme_command(repo, "run") == "python train.py"
 
 

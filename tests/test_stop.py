@@ -10,13 +10,14 @@ import textwrap
 import time
 from pathlib import Path
 
-import checkpoint_workers as cw
 import pytest
 import torch.distributed.checkpoint as dcp
-from conftest import read_metrics
-from runs import REPO, run_train_py, tiny_args
 
 from plugtrain.checkpoint.manager import complete_checkpoints
+from plugtrain.testing import make_trainer, read_metrics, run_script, tiny_args
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_PY = REPO / "train.py"
 
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "10000")
 
@@ -136,7 +137,7 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, raiser):
 def test_a_second_ctrl_c_during_a_save_is_a_keyboard_interrupt(tmp_path, monkeypatch):
     # DCP turns any exception while writing, KeyboardInterrupt too, into a CheckpointException:
     # the second Ctrl-C would end in its traceback, and status 1.
-    trainer = cw.build(tmp_path, *CKPT)
+    trainer = make_trainer(tmp_path, *CKPT, steps=8)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -152,7 +153,8 @@ def fail_on_rank_1(tmp_path: Path, raiser: dict[str, str], kind: str, **kw) -> t
     """train.py on 2 processes, whose rank 1 raises in post_backward of step 5."""
     args = [*tiny_args(tmp_path, steps=10), "--plugins.enabled", "raiser"]
     start = time.monotonic()
-    result = run_train_py(
+    result = run_script(
+        TRAIN_PY,
         args,
         nproc=2,
         timeout=150,

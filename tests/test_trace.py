@@ -9,13 +9,13 @@ import pluggy
 import pytest
 import torch
 import torch.distributed as dist
-from runs import tiny_args
 
 from plugtrain.errors import ConfigError
 from plugtrain.host.plugin_host import PluginHost
 from plugtrain.observability import trace
 from plugtrain.observability.trace import HookTracer, format_summary, tracing_requested
 from plugtrain.plugin import StepContext, hookimpl
+from plugtrain.testing import tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
 

@@ -6,10 +6,9 @@ import math
 
 import pytest
 import torch
-from conftest import read_metrics
-from runs import tiny_args
 
 from plugtrain.config import LRSchedulerConfig
+from plugtrain.testing import read_metrics, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import lr_factor
 from plugtrain.training.trainer import Trainer

@@ -7,14 +7,9 @@ it must be 0 host syncs, whatever the plugins.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-from distributed import run_distributed
-from runs import tiny_args
 
-from plugtrain.observability.costs import CostCounter
-from plugtrain.training.launch import configure
+from plugtrain.testing import Costs, count_costs, run_distributed
 from plugtrain.training.trainer import Trainer
 
 SHORT, LONG = 3, 6
@@ -39,30 +34,9 @@ CASES = {
 }  # fmt: skip
 
 
-def run_costs(dump_folder: str, steps: int, *args: str) -> CostCounter:
-    """Train ``steps`` steps, logging the first and last only, under one counter."""
-    argv = [*tiny_args(dump_folder, steps=steps), "--metrics.log_freq", "1000", *args]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "training.mixed_precision_param is float16")
-        trainer = Trainer(*configure(argv))
-    with CostCounter() as costs:
-        trainer.train()
-    trainer.close()
-    return costs
-
-
-def per_extra_step(dump_folder: str, *args: str) -> dict:
+def per_extra_step(dump_folder: str, *args: str) -> Costs:
     """Syncs and collectives of the LONG - SHORT extra, non-logging steps, per step."""
-    short = run_costs(f"{dump_folder}/short", SHORT, *args)
-    long = run_costs(f"{dump_folder}/long", LONG, *args)
-    extra = LONG - SHORT
-    collectives = long.collectives.copy()
-    collectives.subtract(short.collectives)
-    return {
-        "syncs": (long.num_syncs - short.num_syncs) / extra,
-        "sync_sites": sorted(set(long.sync_sites) - set(short.sync_sites)),
-        "collectives": {op: n / extra for op, n in collectives.items() if n},
-    }
+    return count_costs(dump_folder, *args, short=SHORT, long=LONG)
 
 
 def all_cases(dump_folder: str) -> dict:
@@ -73,8 +47,8 @@ def all_cases(dump_folder: str) -> dict:
 @pytest.mark.parametrize("case", CASES)
 def test_no_host_sync_on_a_non_logging_step_one_process(tmp_path, case):
     costs = per_extra_step(str(tmp_path), *CASES[case])
-    assert costs["syncs"] == 0, costs["sync_sites"]
-    assert costs["collectives"] == {}  # a world of one needs none
+    assert costs.syncs == 0, costs.sync_sites
+    assert costs.collectives == {}  # a world of one needs none
 
 
 def test_the_counting_sees_a_sync_in_the_step(tmp_path, monkeypatch):
@@ -87,17 +61,17 @@ def test_the_counting_sees_a_sync_in_the_step(tmp_path, monkeypatch):
         return loss, ctx
 
     monkeypatch.setattr(Trainer, "train_step", reading_step)
-    assert per_extra_step(str(tmp_path))["syncs"] == 1
+    assert per_extra_step(str(tmp_path)).syncs == 1
 
 
 @pytest.mark.slow
 def test_no_host_sync_on_a_non_logging_step_two_processes(tmp_path):
     ranks = run_distributed(all_cases, 2, str(tmp_path))
     for rank, cases in enumerate(ranks):
-        core = cases["core fp32"]["collectives"]
+        core = cases["core fp32"].collectives
         for name, costs in cases.items():
-            assert costs["syncs"] == 0, (rank, name, costs["sync_sites"])
-            added = {op: n - core.get(op, 0) for op, n in costs["collectives"].items()}
+            assert costs.syncs == 0, (rank, name, costs.sync_sites)
+            added = {op: n - core.get(op, 0) for op, n in costs.collectives.items()}
             added = {op: n for op, n in added.items() if n}
             assert added == DECLARED[name], (rank, name, added)
         # The core's own: FSDP2's all-gathers and reduce-scatters, and the stop vote.
