@@ -63,9 +63,10 @@ def config_section() -> type | None:
 
 @hookspec
 def setup(ctx: SetupContext) -> None:
-    """Fires once per run, after the model is sharded and the optimizer, LR scheduler and
-    mixed-precision policy exist, before any checkpoint is loaded and before the first step.
+    """Prepare for the run: read the config and the resolved dtypes, allocate state.
 
+    Fires once per run, after the model is sharded and the optimizer, LR scheduler and
+    mixed-precision policy exist, before any checkpoint is loaded and before the first step.
     Read the resolved dtypes (``ctx.param_dtype``) and your config (``ctx.plugin_config(self)``)
     here and allocate what you need. A plugin with nothing to do in this run calls
     ``ctx.deactivate(self, reason)``: it is then unregistered and costs nothing.
@@ -169,7 +170,7 @@ def state_dict() -> dict[str, Any] | None:
 def load_state_dict(state_dict: dict[str, Any]) -> None:
     """Restore the state that ``state_dict`` returned, when a run resumes from a checkpoint.
 
-    Fires after ``setup``, only if the checkpoint holds state for this plugin; a plugin whose
-    state is absent (the checkpoint was made without it, or while it was deactivated) keeps the
-    state ``setup`` gave it.
+    Fires at most once per run, after ``setup``, only if the checkpoint holds state for this
+    plugin; a plugin whose state is absent (the checkpoint was made without it, or while it was
+    deactivated) keeps the state ``setup`` gave it.
     """

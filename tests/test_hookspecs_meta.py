@@ -1,0 +1,80 @@
+"""Meta-tests of the hook contract: every hook fires in a real run, and every hook's docstring
+says what it is in one line and how often it fires."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from plugtrain import hookspecs
+from plugtrain.host.plugin_host import PluginHost
+from plugtrain.testing import HookLog, interrupted_and_resumed
+
+HOOKS = PluginHost.hook_names()
+HOW_OFTEN = re.compile(r"\b(once|per step|every|each)\b")
+"""Words that say how often a hook fires."""
+
+
+def test_the_contract_declares_the_hooks_the_trainer_fires():
+    # A hook added to hookspecs.py must be added here (and to the run below) on purpose.
+    assert HOOKS == [
+        "config_section", "setup", "pre_backward", "unscale_gradients", "observe_gradients",
+        "post_backward", "pre_step", "post_step", "step_metrics", "state_dict",
+        "load_state_dict",
+    ]  # fmt: skip
+
+
+def test_every_hook_fires_in_a_stopped_and_resumed_run(tmp_path, monkeypatch):
+    # config_section fires while plugins load, before any object can be registered to log it:
+    # it is seen through the host, which asks each enabled plugin for its section.
+    asked = []
+    call_each = PluginHost.call_each
+
+    def spying_call_each(self, hook_name, **kwargs):
+        asked.append(hook_name)
+        return call_each(self, hook_name, **kwargs)
+
+    monkeypatch.setattr(PluginHost, "call_each", spying_call_each)
+    logs: list[HookLog] = []
+
+    def plugins():
+        logs.append(HookLog())
+        return [("hook_log", logs[-1])]
+
+    result = interrupted_and_resumed(
+        tmp_path, "--plugins.enabled", "grad_clip", steps=4, stop_after=2, plugins=plugins
+    )
+    assert result["resumed"] == result["straight"]
+    resumed = logs[-1]  # the third run: resumed from the stopped one's checkpoint
+    fired = set(resumed.hooks()) | {hook for hook in asked if hook == "config_section"}
+    assert sorted(fired, key=HOOKS.index) == HOOKS
+    # On resume, state_dict gives the structure the checkpoint's values are loaded into.
+    assert [hook for hook, _, _ in resumed.calls[:3]] == ["setup", "state_dict", "load_state_dict"]
+    assert ("pre_backward", 3, 0) in resumed.calls and ("pre_backward", 2, 0) not in resumed.calls
+
+
+def doc_problem(doc: str | None) -> str | None:
+    """What a hook's docstring lacks, or None: a one-line summary, then a blank line, and
+    words saying how often the hook fires."""
+    if not doc:
+        return "no docstring"
+    summary, _, rest = doc.partition("\n")
+    if not summary.endswith(".") or (rest and not rest.startswith("\n")):
+        return f"the first line is not a one-line summary: {summary!r}"
+    if not HOW_OFTEN.search(doc):
+        return "it does not say how often the hook fires"
+    return None
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hook_is_documented_in_one_line_then_how_often_it_fires(hook):
+    assert doc_problem(inspect.getdoc(getattr(hookspecs, hook))) is None, hook
+
+
+def test_the_docstring_check_catches_what_it_must():
+    assert doc_problem("Fires once per run, after the model\nis built.\n\nMore.")
+    assert doc_problem("Return the state.\n\nSaved with the checkpoint.")  # how often?
+    assert doc_problem(None)
+    assert doc_problem("Fires once per step.\n\nMore.") is None
