@@ -14,14 +14,12 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import check_commit_msg
+import new_plugin
 import pytest
+import stack_check
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # the scripts under test are plain modules there
-
-import check_commit_msg  # noqa: E402
-import new_plugin  # noqa: E402
-import stack_check  # noqa: E402
 
 SOURCE_ID = "ghstack-source-id: 6b1b8ea2c1d84e0c9c0f62a7bd64b3c3e58c9a0e"
 PULL_REQUEST = "Pull-Request: https://github.com/plugtrain/plugtrain/pull/12"

@@ -24,11 +24,9 @@ import ghstack.shell
 import ghstack.submit
 import ghstack.unlink
 import pytest
+import stack_check
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # the scripts under test are plain modules there
-
-import stack_check  # noqa: E402
 
 OWNER = NAME = "plugtrain"
 SELECTION = ["-m", "not slow", "-q", "-x", "-p", "no:cacheprovider",
