@@ -20,15 +20,7 @@ def main() -> None:
     if configured is None:  # --help
         return
     config, host = configured
-    trainer = Trainer(config, host)
-    try:
-        trainer.train()
-        trainer.close()
-    except BaseException:
-        # No collective (no barrier) on the way out: the other ranks may be blocked in one
-        # that this rank will never join. run_cli reports the error and exits.
-        trainer.abort()
-        raise
+    Trainer(config, host).run()  # on an error, run_cli reports it and exits
     destroy_world()
 
 

@@ -270,12 +270,7 @@ class RunResult:
 def _train_one_rank(dump_folder: str, args: Sequence[str], steps: int, plugins: Plugins) -> dict:
     log = HookLog()
     trainer = make_trainer(dump_folder, *args, steps=steps, plugins=[*plugins, ("hook_log", log)])
-    try:
-        trainer.train()
-        trainer.close()
-    except BaseException:
-        trainer.abort()
-        raise
+    trainer.run()
     return {
         "rank": trainer.world.rank,
         "checksum": parameter_checksums(trainer.model),

@@ -355,6 +355,19 @@ class Trainer:
         all_reduce_mean(total, self.world.world_size)
         return (total[0] / total[1]).item()
 
+    def run(self) -> None:
+        """Train, then :meth:`close`; on any error :meth:`abort` instead, and re-raise.
+
+        No collective (no barrier) on the way out of an error: the other ranks may be blocked
+        in one that this rank will never join.
+        """
+        try:
+            self.train()
+            self.close()
+        except BaseException:
+            self.abort()
+            raise
+
     def close(self) -> None:
         """End the run: finish a save in flight (collective), then as :meth:`abort`. The
         process group is left to the launcher."""
