@@ -109,7 +109,8 @@ def test_count_costs_sees_one_deliberate_sync_per_step(tmp_path):
     whole = count_costs(tmp_path / "whole", plugins=plugins)
     mine = count_costs(tmp_path / "mine", plugin="item", plugins=plugins)
     assert whole.syncs == 1 and mine.syncs == 1
-    assert mine.collectives == {} and mine.ms is not None and mine.ms > 0
+    # The time per step is a difference of two runs' totals: reported, never asserted on.
+    assert mine.collectives == {} and mine.ms is not None and whole.ms is None
     assert any("post_backward" in site for site in mine.sync_sites), mine.sync_sites
     assert_costs(mine, syncs=1, collectives={})
     with pytest.raises(AssertionError, match="1 host syncs per non-logging step, expected 0"):
