@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tokenizers
 import torch
 from tokenizers import models
 
+from plugtrain.data.permutation import permute
 from plugtrain.data.pipeline import (
     PackedDataset,
     StatefulBatchLoader,
@@ -316,3 +319,31 @@ def test_prefetcher_resumes_with_the_next_batch_not_the_prefetched_one():
     resumed = DevicePrefetcher(fresh, torch.device("cpu"))
     resumed.load_state_dict(state)
     assert _ids(resumed.next_batch()[0]) == second != first
+
+
+# --- permutation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 16, 17, 1000, 4097])
+def test_permute_is_a_bijection_of_range_n(n: int) -> None:
+    order = permute(np.arange(n), n, seed=3, epoch=1)
+    assert sorted(order.tolist()) == list(range(n))
+    # Any slice gives the same values as the whole (the loader computes only its slice).
+    assert permute(np.arange(n // 2, n), n, seed=3, epoch=1).tolist() == order[n // 2 :].tolist()
+
+
+def test_permute_depends_on_seed_and_epoch_only() -> None:
+    n = 1000
+    first = permute(np.arange(n), n, seed=0, epoch=0)
+    assert permute(np.arange(n), n, seed=0, epoch=0).tolist() == first.tolist()
+    assert permute(np.arange(n), n, seed=0, epoch=1).tolist() != first.tolist()
+    assert permute(np.arange(n), n, seed=1, epoch=0).tolist() != first.tolist()
+    assert first.tolist() != list(range(n))
+
+
+def test_permute_of_two_billion_samples_is_instant() -> None:
+    n = 2_000_000_000  # torch.randperm would take 16 GB and minutes
+    start = time.perf_counter()
+    order = permute(np.arange(4096), n, seed=0)
+    assert time.perf_counter() - start < 0.5
+    assert order.min() >= 0 and order.max() < n and len(set(order.tolist())) == 4096

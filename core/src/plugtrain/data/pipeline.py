@@ -25,8 +25,11 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from plugtrain.data.permutation import permute
+from plugtrain.data.store import TokenStore
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError, MissingFileError
 
@@ -87,46 +90,63 @@ def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> torch.Tens
     return torch.tensor(stream, dtype=torch.int32)
 
 
+class InMemoryStream:
+    """A token stream held in memory (a 1-D tensor), read like a :class:`TokenStore`."""
+
+    def __init__(self, stream: torch.Tensor) -> None:
+        if stream.dim() != 1:
+            raise ValueError(f"token stream must be 1-D, got shape {tuple(stream.shape)}")
+        self._stream = stream.numpy()
+        self.num_tokens = stream.numel()
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the stream."""
+        return self._stream[start : start + length]
+
+
 class PackedDataset:
     """Non-overlapping samples of ``seq_len + 1`` consecutive tokens of a stream.
 
     Sample ``i`` covers ``stream[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]``; its inputs are
     the first ``seq_len`` tokens and its targets the last ``seq_len``. The tail of the stream
-    shorter than one sample is dropped. ``source`` names where the stream came from in error
-    messages (``data.validation_path 'val.jsonl'``).
+    shorter than one sample is dropped. ``stream`` is a 1-D tensor or a memory-mapped
+    :class:`~plugtrain.data.store.TokenStore`, whose tokens are read only when a sample is.
+    ``source`` names where the stream came from in error messages
+    (``data.validation_path 'val.jsonl'``).
     """
 
     def __init__(
-        self, stream: torch.Tensor, seq_len: int, *, source: str = "the token stream"
+        self, stream: torch.Tensor | TokenStore, seq_len: int, *, source: str = "the token stream"
     ) -> None:
-        if stream.dim() != 1:
-            raise ValueError(f"token stream must be 1-D, got shape {tuple(stream.shape)}")
+        self._stream = InMemoryStream(stream) if isinstance(stream, torch.Tensor) else stream
         if seq_len < 1:
             raise DataError(f"training.seq_len must be at least 1, got {seq_len}")
-        if stream.numel() < seq_len + 1:
+        num_tokens = self._stream.num_tokens
+        if num_tokens < seq_len + 1:
             raise DataError(
-                f"{source} has {stream.numel()} tokens, fewer than the {seq_len + 1} needed "
+                f"{source} has {num_tokens} tokens, fewer than the {seq_len + 1} needed "
                 f"for one sample of seq_len={seq_len}: lower training.seq_len, or use a "
                 f"larger file"
             )
         self.seq_len = seq_len
         self.source = source
-        num_samples = stream.numel() // (seq_len + 1)
-        self._samples = stream[: num_samples * (seq_len + 1)].view(num_samples, seq_len + 1)
+        self._num_samples = num_tokens // (seq_len + 1)
 
     def __len__(self) -> int:
-        return self._samples.shape[0]
+        return self._num_samples
 
     def __getitem__(self, index: int) -> MicroBatch:
         """(inputs, targets) of sample ``index``, int64 tensors of shape [seq_len]."""
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
-        sample = self._samples[index].long()
-        return sample[:-1], sample[1:]
+        inputs, targets = self.collate([index])
+        return inputs[0], targets[0]
 
     def collate(self, indices: Sequence[int]) -> MicroBatch:
         """Stack the samples at ``indices`` into (inputs, targets) of shape [len, seq_len]."""
-        samples = self._samples[torch.as_tensor(indices, dtype=torch.long)].long()
+        width = self.seq_len + 1
+        rows = [self._stream.read(int(i) * width, width) for i in indices]
+        samples = torch.from_numpy(np.stack(rows).astype(np.int64))
         return samples[:, :-1], samples[:, 1:]
 
 
@@ -147,7 +167,8 @@ class StatefulBatchLoader:
     """Deterministic, resumable, data-parallel sampler of training batches.
 
     Each optimizer step consumes the next ``global_batch_size`` indices of the current epoch's
-    order (a permutation seeded with ``seed + epoch``, or the identity without shuffling); an
+    order (a permutation keyed by ``(seed, epoch)`` and computed only for the indices drawn,
+    see :mod:`plugtrain.data.permutation`; the identity without shuffling); an
     epoch's remainder shorter than a global batch is skipped. The global batch is cut into
     ``world_size`` contiguous rank slices, each cut into ``grad_accum_steps`` contiguous
     microbatches, so the union over ranks and microbatches is the same set of samples for any
@@ -193,28 +214,18 @@ class StatefulBatchLoader:
         self.shuffle = shuffle
         self._epoch = 0
         self._position = 0  # samples of the epoch's order already consumed
-        self._order_epoch = -1  # epoch whose order ``_order`` holds
-        self._order = torch.empty(0, dtype=torch.long)
-
-    def _epoch_order(self) -> torch.Tensor:
-        if self._order_epoch != self._epoch:
-            n = len(self.dataset)
-            if self.shuffle:
-                generator = torch.Generator().manual_seed(self.seed + self._epoch)
-                self._order = torch.randperm(n, generator=generator)
-            else:
-                self._order = torch.arange(n)
-            self._order_epoch = self._epoch
-        return self._order
 
     def next_batch(self) -> list[MicroBatch]:
         """This rank's ``grad_accum_steps`` microbatches of the next optimizer step."""
-        if self._position + self.global_batch_size > len(self.dataset):
+        n = len(self.dataset)
+        if self._position + self.global_batch_size > n:
             self._epoch += 1
             self._position = 0
         per_rank = self.global_batch_size // self.world_size
         start = self._position + self.rank * per_rank
-        indices = self._epoch_order()[start : start + per_rank]
+        indices = np.arange(start, start + per_rank)
+        if self.shuffle:
+            indices = permute(indices, n, self.seed, self._epoch)
         self._position += self.global_batch_size
         mbs = self.micro_batch_size
         return [

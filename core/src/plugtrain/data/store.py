@@ -1,0 +1,143 @@
+"""The prepared token store: its manifest, and read-only memory maps of its token shards.
+
+A prepared folder (written by ``plugtrain prepare-data``, see :mod:`plugtrain.data.prepare`)
+holds ``manifest.json`` and, per shard, ``shard_NNNNN.bin`` (the tokens, ``uint16`` when the
+vocabulary fits, ``uint32`` otherwise, in native little-endian order) and ``shard_NNNNN.idx``
+(int64 end offsets of the shard's documents). The shards, concatenated in order, are the
+corpus's token stream. :class:`TokenStore` opens them with ``numpy.memmap``: opening costs
+neither time nor memory in proportion to the corpus, and the pages a batch touches are read
+on demand by the kernel.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugtrain.errors import DataError, MissingFileError
+
+FORMAT_VERSION = 1
+"""Version of the prepared folder's layout; a reader refuses any other."""
+MANIFEST = "manifest.json"
+PREPARE_HINT = "plugtrain prepare-data"
+
+
+def file_sha256(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    """Hex sha256 of the file's bytes, read in ``chunk``-byte pieces (constant memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id fits (half the disk and page cache), ``uint32`` otherwise."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def read_manifest(folder: Path, key: str) -> dict[str, Any]:
+    """The folder's manifest, checked for its format version; one-line errors name the fix."""
+    path = folder / MANIFEST
+    redo = f"run '{PREPARE_HINT}' to (re)write {folder}"
+    if not path.is_file():
+        raise MissingFileError(
+            f"{key} '{folder}' has no {MANIFEST}: it is not a prepared folder; {redo}"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(f"{path} is not valid JSON ({e}): {redo}") from e
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format_version {version!r}, but this plugtrain reads only "
+            f"{FORMAT_VERSION}: {redo} with this version of plugtrain"
+        )
+    return manifest
+
+
+class TokenStore:
+    """The token stream of a prepared folder, as memory-mapped shards (read-only).
+
+    ``tokenizer_sha256`` (the hash of the run's tokenizer.json), when given, must be the one
+    the folder was prepared with. Every shard must exist with exactly the size the manifest
+    gives (a cheap check that catches truncated and missing files; ``prepare-data`` records
+    each shard's sha256 for a full check). ``key`` names the config key in error messages.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        tokenizer_sha256: str | None = None,
+        key: str = "data.train_path",
+    ) -> None:
+        self.folder = Path(folder)
+        self.manifest = read_manifest(self.folder, key)
+        theirs = self.manifest["tokenizer"]["sha256"]
+        if tokenizer_sha256 is not None and theirs != tokenizer_sha256:
+            raise DataError(
+                f"{key} '{self.folder}' was prepared with another tokenizer (sha256 "
+                f"{theirs[:12]}, model.tokenizer_path's is {tokenizer_sha256[:12]}): set "
+                f"model.tokenizer_path to {self.manifest['tokenizer']['path']}, or run "
+                f"'{PREPARE_HINT}' again with this tokenizer"
+            )
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self._shards: list[np.ndarray] = []
+        self._starts: list[int] = []  # token offset of each non-empty shard in the stream
+        total = 0
+        for shard in self.manifest["shards"]:
+            path = self.folder / shard["file"]
+            expected = shard["num_tokens"] * self.dtype.itemsize
+            size = path.stat().st_size if path.is_file() else None
+            if size != expected:
+                what = "is missing" if size is None else f"has {size} bytes, not {expected}"
+                raise DataError(
+                    f"shard {path} {what} (truncated or damaged): run '{PREPARE_HINT}' again "
+                    f"to rewrite {self.folder}"
+                )
+            if shard["num_tokens"]:
+                self._shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
+                self._starts.append(total)
+                total += shard["num_tokens"]
+        if total != self.manifest["num_tokens"]:
+            raise DataError(
+                f"{self.folder / MANIFEST} counts {self.manifest['num_tokens']} tokens but its "
+                f"shards hold {total}: run '{PREPARE_HINT}' again to rewrite {self.folder}"
+            )
+        self.num_tokens = total
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the tokenizer the folder was prepared with."""
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the stream (a copy, in the store's dtype)."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) out of [0, {self.num_tokens})")
+        i = bisect.bisect_right(self._starts, start) - 1
+        offset = start - self._starts[i]
+        first = self._shards[i][offset : offset + length]
+        if len(first) == length:
+            return np.array(first)
+        pieces = [first]  # the range runs into the next shard(s)
+        got = len(first)
+        while got < length:
+            i += 1
+            pieces.append(self._shards[i][: length - got])
+            got += len(pieces[-1])
+        return np.concatenate(pieces)
+
+
+def document_offsets(folder: str | os.PathLike[str], shard: int) -> np.ndarray:
+    """End offset (exclusive, within the shard) of each document of shard ``shard``."""
+    manifest = read_manifest(Path(folder), "folder")
+    return np.fromfile(Path(folder) / manifest["shards"][shard]["index"], dtype=np.int64)
