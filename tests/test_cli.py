@@ -20,6 +20,7 @@ def test_help_keeps_each_command_on_its_own_line(capsys):
     assert [line.split("#")[0].split()[:2] for line in usage] == [
         ["plugtrain", "plugins"],
         ["plugtrain", "plot"],
+        ["plugtrain", "prepare-data"],
     ]
     assert (
         "Training runs through train.py: python train.py --help lists every config field." in lines

@@ -1,0 +1,353 @@
+"""``plugtrain prepare-data``: documents tokenized in parallel into a prepared folder.
+
+Streaming, atomic and idempotent.
+
+The inputs are read as a stream of documents cut into chunks of about ``CHUNK_BYTES``; worker
+processes encode chunks (``tokenizers``, one thread each) while the parent writes the results
+in chunk order, so the bytes written are the same for any number of workers, and at most
+``2 * workers`` chunks are in memory at once whatever the corpus size. Each document becomes
+``[bos] tokens [eos]`` as in :func:`plugtrain.data.pipeline.tokenize_documents`. A shard is
+closed when it holds ``shard_tokens`` tokens or more, at a chunk boundary.
+
+Everything is written to ``<out>.partial/`` and fsynced; only a complete folder is renamed to
+``<out>``. On any error (a full disk, an interrupt) the partial folder is removed; one left by
+a killed process is replaced by the next run and never read (it has another name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tqdm
+
+from plugtrain.data.sources import check_extras, expand_inputs, iter_documents
+from plugtrain.data.store import FORMAT_VERSION, MANIFEST, file_sha256, token_dtype
+from plugtrain.data.tokenizer import Tokenizer
+from plugtrain.errors import DataError
+
+CHUNK_BYTES = 1 << 20
+"""Input bytes per chunk of documents a worker encodes at once."""
+SHARD_TOKENS = 1 << 28
+"""Default tokens per shard (512 MiB of uint16): few files, each easily copied or checked."""
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """What :func:`prepare` did: the folder, whether it was (re)written, and its numbers."""
+
+    folder: Path
+    written: bool
+    num_tokens: int
+    seconds: float
+    input_bytes: int
+
+
+def _source_record(path: Path, *, with_hash: bool) -> dict[str, Any]:
+    st = path.stat()
+    record: dict[str, Any] = {
+        "path": str(path.resolve()),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+    }
+    if with_hash:
+        record["sha256"] = file_sha256(path)
+    return record
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What, besides the inputs and tokenizer, decides the bytes written (not ``workers``)."""
+
+    text_field: str = "text"
+    shard_tokens: int = SHARD_TOKENS
+    chunk_bytes: int = CHUNK_BYTES
+
+
+def _inputs_key(
+    sources: list[dict[str, Any]], tokenizer_sha: str, layout: Layout
+) -> dict[str, Any]:
+    """What a prepared folder must have been made from to be up to date."""
+    return {
+        "sources": [{k: s[k] for k in ("path", "size", "mtime_ns")} for s in sources],
+        "tokenizer": tokenizer_sha,
+        **dataclasses.asdict(layout),
+    }
+
+
+def is_up_to_date(out: Path, key: dict[str, Any]) -> bool:
+    """Whether ``out`` holds a manifest of this format made from exactly these inputs."""
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return manifest.get("format_version") == FORMAT_VERSION and manifest.get("inputs_key") == key
+
+
+def _chunks(files: Sequence[Path], field: str, chunk_bytes: int) -> Iterator[tuple[list[str], int]]:
+    texts: list[str] = []
+    nbytes = 0
+    for path in files:
+        for text, size in iter_documents(path, field):
+            texts.append(text)
+            nbytes += size
+            if nbytes >= chunk_bytes:
+                yield texts, nbytes
+                texts, nbytes = [], 0
+    if texts:
+        yield texts, nbytes
+
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    # One thread per worker: the parallelism is the processes (and no fork warning).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_tokenizer = Tokenizer.from_file(tokenizer_path)
+
+
+def encode_chunk(
+    texts: list[str], tokenizer: Tokenizer, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk's token stream (``[bos] ids [eos]`` per document) and each document's length."""
+    encoded = tokenizer.encode_batch(texts)
+    head = 0 if tokenizer.bos_id is None else 1
+    lengths = np.fromiter(
+        (len(ids) + head + 1 for ids in encoded), dtype=np.int64, count=len(encoded)
+    )
+    tokens = np.empty(int(lengths.sum()), dtype=dtype)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    for start, end, ids in zip(starts, ends, encoded, strict=True):
+        if head:
+            tokens[start] = tokenizer.bos_id
+        tokens[start + head : end - 1] = ids
+        tokens[end - 1] = tokenizer.eos_id
+    return tokens, lengths
+
+
+def _encode_in_worker(
+    texts: list[str], dtype: str, nbytes: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    assert _worker_tokenizer is not None
+    return (*encode_chunk(texts, _worker_tokenizer, np.dtype(dtype)), nbytes)
+
+
+def _encoded(
+    chunks: Iterator[tuple[list[str], int]], tokenizer: Tokenizer, tokenizer_path: str, workers: int
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """Encoded chunks in input order; at most ``2 * workers`` in flight."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    if workers == 1:
+        for texts, nbytes in chunks:
+            yield (*encode_chunk(texts, tokenizer, dtype), nbytes)
+        return
+    context = multiprocessing.get_context("forkserver")
+    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+        pending: deque = deque()
+        for texts, nbytes in chunks:
+            pending.append(pool.apply_async(_encode_in_worker, (texts, dtype.str, nbytes)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _ShardWriter:
+    """Appends encoded chunks to ``shard_NNNNN.bin`` / ``.idx`` files, fsynced when closed."""
+
+    def __init__(self, folder: Path, shard_tokens: int) -> None:
+        self.folder, self.shard_tokens = folder, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self._bin = self._idx = None
+        self._tokens = 0
+        self._docs = 0
+
+    def _open(self) -> None:
+        name = f"shard_{len(self.shards):05d}"
+        self.shards.append({"file": f"{name}.bin", "index": f"{name}.idx"})
+        # Kept open across writes; close() fsyncs and closes them.
+        self._bin = open(self.folder / f"{name}.bin", "wb")  # noqa: SIM115
+        self._idx = open(self.folder / f"{name}.idx", "wb")  # noqa: SIM115
+        self._tokens = self._docs = 0
+
+    def write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        if self._bin is None or self._tokens >= self.shard_tokens:
+            self.close()
+            self._open()
+        assert self._bin is not None and self._idx is not None
+        write_bytes(self._bin, tokens.tobytes())
+        write_bytes(self._idx, (np.cumsum(lengths) + self._tokens).astype(np.int64).tobytes())
+        self._tokens += len(tokens)
+        self._docs += len(lengths)
+
+    def close(self) -> None:
+        if self._bin is None:
+            return
+        for f in (self._bin, self._idx):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        path = self.folder / self.shards[-1]["file"]
+        self.shards[-1].update(
+            num_tokens=self._tokens,
+            num_documents=self._docs,
+            size=path.stat().st_size,
+            sha256=file_sha256(path),
+        )
+        self._bin = self._idx = None
+
+
+def write_bytes(f: Any, data: bytes) -> None:
+    """``f.write(data)``; the one place the writer writes, so a test can fill the disk here."""
+    f.write(data)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Hold ``<out>.lock`` so that two processes never prepare the same folder at once."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def prepare(
+    inputs: Sequence[str],
+    out: str | os.PathLike[str],
+    tokenizer_path: str | os.PathLike[str],
+    *,
+    text_field: str = "text",
+    workers: int | None = None,
+    shard_tokens: int = SHARD_TOKENS,
+    chunk_bytes: int = CHUNK_BYTES,
+    progress: bool | None = None,
+) -> PrepareResult:
+    """Prepare ``inputs`` (files, folders, globs) into the folder ``out``; see the module doc.
+
+    ``workers`` defaults to every core; ``progress`` None shows the bar only on a terminal.
+    An up-to-date ``out`` (same inputs by path, size and mtime, same tokenizer and layout) is
+    left as it is and reported with ``written=False``.
+    """
+    begin = time.perf_counter()
+    out = Path(out)
+    files = expand_inputs(inputs)
+    check_extras(files)
+    workers = workers or os.cpu_count() or 1
+    if min(workers, shard_tokens, chunk_bytes) < 1:
+        raise DataError(f"--workers ({workers}) and --shard-tokens ({shard_tokens}) must be >= 1")
+    layout = Layout(text_field, shard_tokens, chunk_bytes)
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    tokenizer_sha = file_sha256(tokenizer_path)
+    with _locked(out):
+        key = _inputs_key(
+            [_source_record(f, with_hash=False) for f in files], tokenizer_sha, layout
+        )
+        if is_up_to_date(out, key):
+            manifest = json.loads((out / MANIFEST).read_text())
+            return PrepareResult(out, False, manifest["num_tokens"], time.perf_counter() - begin, 0)
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)  # left by a killed run: never read
+        partial.mkdir()
+        try:
+            chunks = _encoded(
+                _chunks(files, text_field, chunk_bytes), tokenizer, str(tokenizer_path), workers
+            )
+            total_bytes = sum(f.stat().st_size for f in files)
+            manifest = _write(chunks, partial, tokenizer, layout, _bar(total_bytes, progress))
+            if manifest["num_documents"] == 0:
+                raise DataError(f"inputs {list(inputs)} hold no documents: give non-empty files")
+            manifest.update(
+                inputs_key=key,
+                sources=[_source_record(f, with_hash=True) for f in files],
+                tokenizer={
+                    "path": str(Path(tokenizer_path).resolve()),
+                    "sha256": tokenizer_sha,
+                    "vocab_size": tokenizer.vocab_size,
+                },
+            )
+            with open(partial / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(partial)
+            if out.exists():
+                shutil.rmtree(out)
+            os.rename(partial, out)
+            _fsync_dir(out.parent)
+        except BaseException as e:
+            shutil.rmtree(partial, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise DataError(
+                    f"disk full while preparing '{out}' (partial output removed; '{out}' was not "
+                    f"touched): free space on its disk or choose another output folder"
+                ) from e
+            raise
+    seconds = time.perf_counter() - begin
+    return PrepareResult(out, True, manifest["num_tokens"], seconds, manifest["input_bytes"])
+
+
+def _bar(total_bytes: int, progress: bool | None) -> tqdm.tqdm:
+    """A progress bar in input bytes (MB/s); ``_write`` adds tokens/s to it."""
+    disable = None if progress is None else not progress  # None: only on a terminal
+    return tqdm.tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="prepare-data", disable=disable
+    )
+
+
+def _write(
+    chunks: Iterator[tuple[np.ndarray, np.ndarray, int]],
+    folder: Path,
+    tokenizer: Tokenizer,
+    layout: Layout,
+    bar: tqdm.tqdm,
+) -> dict[str, Any]:
+    """Write the encoded chunks into ``folder``'s shards; return the manifest's counts."""
+    writer = _ShardWriter(folder, layout.shard_tokens)
+    num_tokens = num_docs = input_bytes = 0
+    with bar:
+        start = time.perf_counter()
+        for tokens, lengths, nbytes in chunks:
+            writer.write(tokens, lengths)
+            num_tokens += len(tokens)
+            num_docs += len(lengths)
+            input_bytes += nbytes
+            bar.update(nbytes)
+            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s")
+        writer.close()
+    return {
+        "format_version": FORMAT_VERSION,
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "num_tokens": num_tokens,
+        "num_documents": num_docs,
+        "input_bytes": input_bytes,
+        "layout": dataclasses.asdict(layout),
+        "shards": writer.shards,
+    }

@@ -1,0 +1,131 @@
+"""Input documents of ``prepare-data``: the files that paths and globs name, and their texts.
+
+Formats: JSONL (plain, gzip or zstd), Parquet, plain text (one document per file).
+
+Every reader yields ``(text, nbytes)`` pairs, ``nbytes`` being the input bytes consumed
+(for the progress bar's MB/s), and holds at most one line, record batch or file in memory.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+from plugtrain.errors import DataError, MissingFileError, require_extra
+
+SUFFIXES = (
+    ".jsonl",
+    ".json",
+    ".jsonl.gz",
+    ".json.gz",
+    ".jsonl.zst",
+    ".json.zst",
+    ".parquet",
+    ".txt",
+)
+"""The file types read; a folder contributes every such file under it, recursively."""
+
+
+def _kind(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((s for s in sorted(SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
+
+
+def expand_inputs(inputs: Sequence[str]) -> list[Path]:
+    """The files that ``inputs`` (files, folders, globs) name, in a stable order.
+
+    Each input's files are sorted; inputs keep their order. A name that matches nothing or a
+    file of an unknown type is a one-line error.
+    """
+    files: list[Path] = []
+    for item in inputs:
+        matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]
+        if not matches or not all(os.path.exists(m) for m in matches):
+            raise MissingFileError(
+                f"input '{item}' not found: give existing files, folders or globs"
+            )
+        for match in map(Path, matches):
+            if match.is_dir():
+                files += sorted(p for p in match.rglob("*") if p.is_file() and _kind(p))
+            elif _kind(match):
+                files.append(match)
+            else:
+                raise DataError(
+                    f"input '{match}' is not a supported type: give {', '.join(SUFFIXES)} files"
+                )
+    if not files:
+        raise DataError(f"inputs {list(inputs)} hold no {', '.join(SUFFIXES)} file")
+    return files
+
+
+def check_extras(files: Sequence[Path]) -> None:
+    """Stop before any work if a file needs an optional package that is not installed."""
+    kinds = {_kind(f) for f in files}
+    if kinds & {".parquet"}:
+        require_extra("pyarrow", "parquet", "reading Parquet input")
+    if kinds & {".jsonl.zst", ".json.zst"}:
+        require_extra("zstandard", "zstd", "reading zstd-compressed input")
+
+
+def _open_binary(path: Path, kind: str) -> IO[bytes]:
+    if kind.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if kind.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def _jsonl(path: Path, kind: str, field: str) -> Iterator[tuple[str, int]]:
+    with _open_binary(path, kind) as raw:
+        for lineno, line in enumerate(io.BufferedReader(raw), start=1):  # type: ignore[arg-type]
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"input '{path}' line {lineno} is not valid JSON: {e}") from e
+            if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                raise DataError(
+                    f"input '{path}' line {lineno} is not a JSON object with a string field "
+                    f"{field!r}: fix that line or pass --text-field"
+                )
+            yield record[field], len(line)
+
+
+def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    if field not in parquet.schema_arrow.names:
+        raise DataError(
+            f"input '{path}' has no column {field!r} (columns: {parquet.schema_arrow.names}): "
+            f"pass --text-field"
+        )
+    size = path.stat().st_size
+    rows = max(1, parquet.metadata.num_rows)
+    for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
+        texts = batch.column(0).to_pylist()
+        for text in texts:  # compressed bytes are not per row: spread the file's size evenly
+            yield text or "", size // rows
+
+
+def iter_documents(path: Path, field: str = "text") -> Iterator[tuple[str, int]]:
+    """``(text, input bytes)`` of every document of ``path``; a .txt file is one document."""
+    kind = _kind(path)
+    if kind == ".parquet":
+        yield from _parquet(path, field)
+    elif kind == ".txt":
+        data = path.read_bytes()
+        yield data.decode("utf-8", errors="replace"), len(data)
+    elif kind is not None:
+        yield from _jsonl(path, kind, field)
+    else:
+        raise DataError(f"input '{path}' is not a supported type: give {', '.join(SUFFIXES)}")
