@@ -222,7 +222,10 @@ def test_bad_inputs_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with pytest.raises(DataError, match=r"input '.*a.csv' is not a supported type"):
         _prepare([tmp_path / "a.csv"], tmp_path / "out")
     (tmp_path / "b.jsonl").write_text('{"body": "x"}\n')
-    with pytest.raises(DataError, match=r"b.jsonl' line 1 .* field 'text': .*--text-field"):
+    with pytest.raises(
+        DataError,
+        match=r"b.jsonl' line 1 .* field 'text': .*data.text_field \(prepare-data: --text-field\)",
+    ):
         _prepare([tmp_path / "b.jsonl"], tmp_path / "out")
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
     (tmp_path / "c.parquet").write_bytes(b"")

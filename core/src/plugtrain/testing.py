@@ -41,6 +41,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -839,3 +840,22 @@ def plugtrain_run(tmp_path: Path) -> Callable[..., RunResult]:
         return tiny_run(tmp_path / f"run{next(calls)}", *args, **kwargs)
 
     return run
+
+
+_TEST_CACHE: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the session its own data cache (``PLUGTRAIN_CACHE``), unless one is set: tests
+    must not write to the user's ``~/.cache``; child processes inherit it."""
+    global _TEST_CACHE
+    if "PLUGTRAIN_CACHE" not in os.environ:
+        _TEST_CACHE = tempfile.mkdtemp(prefix="plugtrain-cache-")
+        os.environ["PLUGTRAIN_CACHE"] = _TEST_CACHE
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the session's data cache, if :func:`pytest_configure` made it."""
+    if _TEST_CACHE is not None and os.environ.get("PLUGTRAIN_CACHE") == _TEST_CACHE:
+        shutil.rmtree(_TEST_CACHE, ignore_errors=True)
+        del os.environ["PLUGTRAIN_CACHE"]

@@ -20,7 +20,6 @@ trainer meets each while it is built, before step 1 (:func:`count_eval_batches` 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from plugtrain.data.permutation import permute
+from plugtrain.data.sources import iter_documents
 from plugtrain.data.store import TokenStore
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError, MissingFileError
@@ -53,22 +53,7 @@ def load_jsonl_texts(
         raise MissingFileError(
             f"{where} not found: set {key} to a JSONL file with one {{{field!r}: ...}} per line"
         )
-    texts = []
-    # Binary mode, so that a UTF-8 error is reported with its line number by json.loads.
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing one) carry no document
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                raise DataError(f"{where} line {lineno} is not valid JSON: {e}") from e
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise DataError(
-                    f"{where} line {lineno} is not a JSON object with a string field {field!r}: "
-                    f"fix that line or set data.text_field"
-                )
-            texts.append(record[field])
+    texts = [text for text, _ in iter_documents(path, field, label="data file")]
     if not texts:
         raise DataError(f"{where} holds no documents: set {key} to a non-empty JSONL file")
     return texts

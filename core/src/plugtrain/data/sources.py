@@ -83,7 +83,7 @@ def _open_binary(path: Path, kind: str) -> IO[bytes]:
     return open(path, "rb")
 
 
-def _jsonl(path: Path, kind: str, field: str) -> Iterator[tuple[str, int]]:
+def _jsonl(path: Path, kind: str, field: str, label: str) -> Iterator[tuple[str, int]]:
     with _open_binary(path, kind) as raw:
         for lineno, line in enumerate(io.BufferedReader(raw), start=1):  # type: ignore[arg-type]
             if not line.strip():
@@ -91,11 +91,11 @@ def _jsonl(path: Path, kind: str, field: str) -> Iterator[tuple[str, int]]:
             try:
                 record = json.loads(line)
             except ValueError as e:
-                raise DataError(f"input '{path}' line {lineno} is not valid JSON: {e}") from e
+                raise DataError(f"{label} '{path}' line {lineno} is not valid JSON: {e}") from e
             if not isinstance(record, dict) or not isinstance(record.get(field), str):
                 raise DataError(
-                    f"input '{path}' line {lineno} is not a JSON object with a string field "
-                    f"{field!r}: fix that line or pass --text-field"
+                    f"{label} '{path}' line {lineno} is not a JSON object with a string field "
+                    f"{field!r}: fix that line or set data.text_field (prepare-data: --text-field)"
                 )
             yield record[field], len(line)
 
@@ -107,7 +107,7 @@ def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
     if field not in parquet.schema_arrow.names:
         raise DataError(
             f"input '{path}' has no column {field!r} (columns: {parquet.schema_arrow.names}): "
-            f"pass --text-field"
+            f"set data.text_field (prepare-data: --text-field)"
         )
     size = path.stat().st_size
     rows = max(1, parquet.metadata.num_rows)
@@ -117,8 +117,12 @@ def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
             yield text or "", size // rows
 
 
-def iter_documents(path: Path, field: str = "text") -> Iterator[tuple[str, int]]:
-    """``(text, input bytes)`` of every document of ``path``; a .txt file is one document."""
+def iter_documents(
+    path: Path, field: str = "text", *, label: str = "input"
+) -> Iterator[tuple[str, int]]:
+    """``(text, input bytes)`` of every document of ``path``; a .txt file is one document.
+
+    Errors name the file as ``{label} '{path}'``."""
     kind = _kind(path)
     if kind == ".parquet":
         yield from _parquet(path, field)
@@ -126,6 +130,6 @@ def iter_documents(path: Path, field: str = "text") -> Iterator[tuple[str, int]]
         data = path.read_bytes()
         yield data.decode("utf-8", errors="replace"), len(data)
     elif kind is not None:
-        yield from _jsonl(path, kind, field)
+        yield from _jsonl(path, kind, field, label)
     else:
         raise DataError(f"input '{path}' is not a supported type: give {', '.join(SUFFIXES)}")

@@ -12,15 +12,16 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from plugtrain.checkpoint.manager import CheckpointManager
 from plugtrain.config import JobConfig
+from plugtrain.data.cache import open_token_store
 from plugtrain.data.pipeline import (
     MicroBatch,
     PackedDataset,
     StatefulBatchLoader,
-    build_dataset,
     count_eval_batches,
     iter_eval_batches,
 )
@@ -74,22 +75,10 @@ class Trainer:
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
 
         self.tokenizer = Tokenizer.from_file(config.model.tokenizer_path)
-        self.train_data = build_dataset(
-            config.data.train_path,
-            "data.train_path",
-            self.tokenizer,
-            config.data.text_field,
-            train_cfg.seq_len,
-        )
+        self.train_data = self._dataset(config.data.train_path, "data.train_path")
         self.val_data: PackedDataset | None = None
         if config.validation.interval:
-            self.val_data = build_dataset(
-                config.data.validation_path,
-                "data.validation_path",
-                self.tokenizer,
-                config.data.text_field,
-                train_cfg.seq_len,
-            )
+            self.val_data = self._dataset(config.data.validation_path, "data.validation_path")
             # Now rather than at the first validation, which may come many steps later.
             count_eval_batches(
                 self.val_data,
@@ -165,6 +154,18 @@ class Trainer:
                 resumed_from=self.checkpointer.resumed_from,
                 lr_schedule_steps=self.lr_scheduler.total_steps,
             )
+
+    def _dataset(self, path: str, key: str) -> PackedDataset:
+        """The samples of config key ``key``'s prepared folder or data file (see data.cache)."""
+        store = open_token_store(
+            path,
+            key,
+            self.config.model.tokenizer_path,
+            self.config.data.text_field,
+            is_main=self.world.is_main,
+            barrier=dist.barrier if self.world.world_size > 1 else None,
+        )
+        return PackedDataset(store, self.config.training.seq_len, source=f"{key} '{path}'")
 
     def _warn_if_schedule_differs(self) -> None:
         """Say what a resumed run whose training.steps changed does: its LR schedule keeps the
