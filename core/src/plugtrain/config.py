@@ -146,6 +146,35 @@ class DataConfig:
     """The key of each JSON object that holds the document's text."""
     shuffle: bool = True
     """Shuffle training samples (a new seeded permutation each epoch)."""
+    sources: list[dict] = field(default_factory=list)
+    """A mixture that replaces ``train_path``: ``[{path=..., weight=...}, ...]``, each path a
+    prepared folder or a data file, sampled in proportion to its weight (optional ``name``,
+    default the path's last part, names its logged share ``data_share.<name>``)."""
+
+    def __post_init__(self) -> None:
+        for i, source in enumerate(self.sources):
+            where = f"item {i} ({source!r})"
+            check_field(
+                isinstance(source.get("path"), str)
+                and set(source) <= {"path", "weight", "name"}
+                and isinstance(source.get("weight", 1.0), (int, float))
+                and not isinstance(source.get("weight"), bool)
+                and isinstance(source.get("name", ""), str),
+                "sources",
+                f'{where} must be {{path="...", weight=<number>, name="..." (optional)}}',
+            )
+            weight = source.get("weight", 1.0)
+            check_field(weight > 0, "sources", f"{where} has weight {weight}: must be > 0")
+        names = self.source_names()
+        check_field(
+            len(set(names)) == len(names),
+            "sources",
+            f"names {names} repeat: give each source a distinct name=",
+        )
+
+    def source_names(self) -> list[str]:
+        """The name of each of ``sources``: its ``name``, or its path's last part."""
+        return [s.get("name") or Path(s["path"]).name for s in self.sources]
 
 
 @dataclass
@@ -382,6 +411,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             return float(value)
     elif tp is str:
         if isinstance(value, str):
+            return value
+    elif tp is dict:  # a TOML table; on the command line, inside a list: '[{path="a"}]'
+        if isinstance(value, dict):
             return value
     else:
         raise TypeError(f"config key '{key}': unsupported field type {tp!r}")

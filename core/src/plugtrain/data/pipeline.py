@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -73,6 +74,20 @@ def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> torch.Tens
         stream += ids
         stream.append(tokenizer.eos_id)
     return torch.tensor(stream, dtype=torch.int32)
+
+
+class Samples(Protocol):
+    """What the loaders draw from: a :class:`PackedDataset`, or a mixture of several."""
+
+    seq_len: int
+    source: str
+    """Where the samples come from, for error messages."""
+
+    def __len__(self) -> int: ...
+
+    def collate(self, indices: Sequence[int]) -> MicroBatch:
+        """Stack the samples at ``indices`` into (inputs, targets) of shape [len, seq_len]."""
+        ...
 
 
 class InMemoryStream:
@@ -127,12 +142,20 @@ class PackedDataset:
         inputs, targets = self.collate([index])
         return inputs[0], targets[0]
 
+    def tokens(self, index: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of sample ``index`` (inputs, then the last target)."""
+        width = self.seq_len + 1
+        return self._stream.read(index * width, width)
+
     def collate(self, indices: Sequence[int]) -> MicroBatch:
         """Stack the samples at ``indices`` into (inputs, targets) of shape [len, seq_len]."""
-        width = self.seq_len + 1
-        rows = [self._stream.read(int(i) * width, width) for i in indices]
-        samples = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return samples[:, :-1], samples[:, 1:]
+        return stack_samples([self.tokens(int(i)) for i in indices])
+
+
+def stack_samples(rows: Sequence[np.ndarray]) -> MicroBatch:
+    """(inputs, targets) int64 tensors of shape [len(rows), seq_len] from samples' tokens."""
+    samples = torch.from_numpy(np.stack(rows).astype(np.int64))
+    return samples[:, :-1], samples[:, 1:]
 
 
 def build_dataset(
@@ -164,7 +187,7 @@ class StatefulBatchLoader:
 
     def __init__(
         self,
-        dataset: PackedDataset,
+        dataset: Samples,
         *,
         global_batch_size: int,
         grad_accum_steps: int,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from plugtrain.checkpoint.manager import CheckpointManager
 from plugtrain.config import JobConfig
 from plugtrain.data.cache import open_token_store
+from plugtrain.data.mixture import MixtureDataset
 from plugtrain.data.pipeline import (
     MicroBatch,
     PackedDataset,
@@ -75,7 +76,7 @@ class Trainer:
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
 
         self.tokenizer = Tokenizer.from_file(config.model.tokenizer_path)
-        self.train_data = self._dataset(config.data.train_path, "data.train_path")
+        self.train_data = self._train_dataset()
         self.val_data: PackedDataset | None = None
         if config.validation.interval:
             self.val_data = self._dataset(config.data.validation_path, "data.validation_path")
@@ -154,6 +155,19 @@ class Trainer:
                 resumed_from=self.checkpointer.resumed_from,
                 lr_schedule_steps=self.lr_scheduler.total_steps,
             )
+
+    def _train_dataset(self) -> PackedDataset | MixtureDataset:
+        """``data.train_path``'s samples, or the mixture of ``data.sources`` when set."""
+        data = self.config.data
+        if not data.sources:
+            return self._dataset(data.train_path, "data.train_path")
+        return MixtureDataset(
+            [self._dataset(s["path"], f"data.sources[{i}]") for i, s in enumerate(data.sources)],
+            [s.get("weight", 1.0) for s in data.sources],
+            data.source_names(),
+            seed=self.config.training.seed,
+            shuffle=data.shuffle,
+        )
 
     def _dataset(self, path: str, key: str) -> PackedDataset:
         """The samples of config key ``key``'s prepared folder or data file (see data.cache)."""
@@ -335,6 +349,8 @@ class Trainer:
             skipped_steps=int(self.vetoes.total),
         )
         record.update({f"skipped_steps.{k}": int(v) for k, v in self.vetoes.by_plugin.items()})
+        if isinstance(self.train_data, MixtureDataset):
+            record.update(self.train_data.shares())
         self.metrics.log(record)
 
     @torch.no_grad()
