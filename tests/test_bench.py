@@ -159,3 +159,17 @@ def test_gpu_bench_fails_fast_without_cuda(tmp_path):
     assert result.returncode == 2
     assert "bench/gpu.py: error: no CUDA device available" in result.stderr
     assert not (tmp_path / "gpu.json").exists()
+
+
+@pytest.mark.slow
+def test_data_scale(tmp_path):
+    results = quick_results("data_scale", tmp_path)
+    (corpus,) = results["corpora"]
+    assert corpus["size_mb"] == 0.25 and corpus["tokens"] > 50_000
+    for workers in ("1", "2"):
+        prepared = corpus["prepare"][workers]
+        assert prepared["mb_per_s"] > 0 and prepared["ratio_per_worker"] > 0
+    for run in (corpus["train"], results["store"]["train"]):
+        assert run["seconds"] > 0 and run["peak_rss_mb"] > 100
+    assert results["store"]["tokens"] == 4_000_000
+    assert 0 < results["data_share"] < 1
