@@ -1,14 +1,16 @@
-"""Data pipeline: JSONL documents -> one token stream -> fixed-length samples -> batches.
+"""Data pipeline: documents -> one token stream -> fixed-length samples -> batches.
 
 The pipeline is deliberately simple and fully deterministic, so that runs are reproducible and
 resumable bit for bit:
 
-1. :func:`load_jsonl_texts` reads the text field of every line of a JSONL file.
-2. :func:`tokenize_documents` encodes them into one 1-D stream, each document framed
-   Llama-style as ``<|begin_of_text|> tokens <|end_of_text|>``.
-3. :class:`PackedDataset` cuts the stream into non-overlapping samples of ``seq_len + 1``
+1. The token stream: a prepared folder read by memory map (:mod:`plugtrain.data.store`, what
+   the trainer uses), or, in memory, :func:`load_jsonl_texts` and :func:`tokenize_documents`,
+   which frame each document Llama-style as ``<|begin_of_text|> tokens <|end_of_text|>``
+   exactly as ``prepare-data`` does.
+2. :class:`PackedDataset` cuts the stream into non-overlapping samples of ``seq_len + 1``
    tokens (inputs, and targets shifted by one); documents run across sample boundaries.
-4. :class:`StatefulBatchLoader` draws training batches from a per-epoch permutation, split
+   Only the samples drawn are read.
+3. :class:`StatefulBatchLoader` draws training batches from a per-epoch permutation, split
    across data-parallel ranks and gradient-accumulation microbatches, with a world-size
    independent ``state_dict``; :func:`iter_eval_batches` does the same, unshuffled, for
    validation.
