@@ -20,9 +20,9 @@ HOW_OFTEN = re.compile(r"\b(once|per step|every|each)\b")
 def test_the_contract_declares_the_hooks_the_trainer_fires():
     # A hook added to hookspecs.py must be added here (and to the run below) on purpose.
     assert HOOKS == [
-        "config_section", "setup", "pre_backward", "unscale_gradients", "observe_gradients",
-        "post_backward", "pre_step", "post_step", "step_metrics", "state_dict",
-        "load_state_dict",
+        "config_section", "wrap_model", "compile_model", "setup", "pre_backward",
+        "unscale_gradients", "observe_gradients", "post_backward", "pre_step", "post_step",
+        "step_metrics", "state_dict", "load_state_dict",
     ]  # fmt: skip
 
 
@@ -50,8 +50,11 @@ def test_every_hook_fires_in_a_stopped_and_resumed_run(tmp_path, monkeypatch):
     resumed = logs[-1]  # the third run: resumed from the stopped one's checkpoint
     fired = set(resumed.hooks()) | {hook for hook in asked if hook == "config_section"}
     assert sorted(fired, key=HOOKS.index) == HOOKS
-    # On resume, state_dict gives the structure the checkpoint's values are loaded into.
-    assert [hook for hook, _, _ in resumed.calls[:3]] == ["setup", "state_dict", "load_state_dict"]
+    # The model hooks fire before setup; on resume, state_dict gives the structure the
+    # checkpoint's values are loaded into.
+    assert [hook for hook, _, _ in resumed.calls[:5]] == [
+        "wrap_model", "compile_model", "setup", "state_dict", "load_state_dict"
+    ]  # fmt: skip
     assert ("pre_backward", 3, 0) in resumed.calls and ("pre_backward", 2, 0) not in resumed.calls
 
 

@@ -1,7 +1,15 @@
 """The hook contract: every hook the trainer fires, when it fires, and what it may change.
 
 This module is plugtrain's plugin API; the trainer is written against it and plugins implement
-it with :data:`plugtrain.plugin.hookimpl`. A training step fires, in this order::
+it with :data:`plugtrain.plugin.hookimpl`. Building the run fires, once, in this order::
+
+    model built on the meta device
+    wrap_model               # model phase 1, wrap: activation checkpointing, per block or whole
+    compile_model            # model phase 2, compile: torch.compile (at most one compiler)
+    fully_shard (FSDP2), materialise, init_weights(seed)
+    setup                    # the optimizer, schedule and dtypes exist
+
+A training step fires, in this order::
 
     for each microbatch:  forward -> pre_backward -> loss.backward()
     unscale_gradients        # gradient phase 1, make true: a loss scaler unscales
@@ -18,8 +26,10 @@ Ordering rules:
   and every result must be the same whichever order plugins were registered in. The gradient
   phases are what makes that hold: each phase is a hook of its own, so every observer sees the
   true, unclipped gradients and every decision sees the modified ones, whatever the order of
-  the plugins. Within a phase the order is unspecified: implementations of one phase must not
-  depend on each other (two loss scalers are refused; two gradient transforms must commute).
+  the plugins. The model phases do the same for the model: every wrapper is applied before any
+  compiler sees the model, so a compiler compiles the wrapped blocks. Within a phase the order
+  is unspecified: implementations of one phase must not depend on each other (two loss scalers
+  or two compilers are refused; two gradient transforms, or two wrappers, must commute).
   ``tryfirst``/``trylast`` are not part of the contract.
 * A hook that raises stops the step; the exception reaches the trainer and ends the run.
 
@@ -44,7 +54,7 @@ from plugtrain.plugin import PROJECT_NAME
 if TYPE_CHECKING:
     import torch
 
-    from plugtrain.plugin import Metrics, SetupContext, StepContext
+    from plugtrain.plugin import Metrics, ModelContext, SetupContext, StepContext
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
@@ -58,6 +68,35 @@ def config_section() -> type | None:
     ``[grad_clip]`` / ``--grad_clip.max_norm 1.0``. Every field needs a default; the config
     system checks types and unknown keys, and the dataclass's ``__post_init__`` checks ranges
     (raise :class:`plugtrain.plugin.ConfigError`, e.g. via ``check_field``).
+    """
+
+
+@hookspec
+def wrap_model(ctx: ModelContext) -> None:
+    """Model phase 1, wrap: put structural wrappers around the blocks or the whole model.
+
+    Fires once per run, before ``compile_model`` and before anything else sees the model: it
+    is on the meta device (parameters without storage), not yet sharded with FSDP2, and not yet
+    initialised. ``ctx.device``, ``ctx.param_dtype`` and ``ctx.world_size`` say what the run
+    will do with it. Wrap forwards in place with :func:`plugtrain.plugin.wrap_forward`
+    (activation checkpointing wraps ``ctx.blocks``): never replace, add or rename a module or a
+    parameter, so that ``init_weights`` gives the same weights and checkpoints keep their keys
+    whether the plugin is enabled or not. A wrapper must not change the forward's result, and
+    implementations of this phase must commute (their result may not depend on which runs
+    first).
+    """
+
+
+@hookspec
+def compile_model(ctx: ModelContext) -> None:
+    """Model phase 2, compile: compile the blocks (or other parts) of the wrapped model.
+
+    Fires once per run, after every ``wrap_model``, still on the meta device and before FSDP2's
+    ``fully_shard``, whose hooks (all-gather, reshard) then run around the compiled forwards,
+    outside the compiled regions. Compile forwards in place with
+    :func:`plugtrain.plugin.wrap_forward` (not ``Module.compile()``, which would compile the
+    module's hooks too); call ``ctx.register_compiler(self)`` first: two compilers are refused,
+    since they do not commute.
     """
 
 

@@ -27,18 +27,78 @@ if TYPE_CHECKING:
 __all__ = [
     "PROJECT_NAME",
     "ConfigError",
+    "ModelContext",
     "SetupContext",
     "StepContext",
     "check_field",
     "gradients",
     "hookimpl",
     "local_tensor",
+    "wrap_forward",
 ]
 
 PROJECT_NAME = "plugtrain"
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 """Marks a plugin's hook implementation: ``@hookimpl`` or ``@hookimpl(tryfirst=True)``."""
+
+
+@dataclass(eq=False)
+class ModelContext:
+    """What the model hooks (``wrap_model``, ``compile_model``) receive: the model before sharding.
+
+    The model is on the meta device (no storage yet) and not yet sharded with FSDP2; its
+    parameters are materialised and initialised after the hooks. The fields say what the run
+    will do with it, so that a transform can fit the device and dtypes.
+    """
+
+    config: JobConfig
+    """The whole validated config (core sections and every enabled plugin's section)."""
+    model: nn.Module
+    """The :class:`~plugtrain.model.transformer.Transformer`, on the meta device, unsharded."""
+    blocks: tuple[nn.Module, ...]
+    """The transformer blocks, ``model.layers`` in order: each is sharded on its own (FSDP2)."""
+    device: torch.device
+    """The device the model will be materialised on and trained on."""
+    param_dtype: torch.dtype
+    """Dtype of parameters in forward and backward (``training.mixed_precision_param``)."""
+    reduce_dtype: torch.dtype
+    """Dtype of the gradient reduction (``training.mixed_precision_reduce``)."""
+    rank: int
+    world_size: int
+    name_of: Callable[[object], str] = field(repr=False)
+    """The name a registered plugin object runs under (see :attr:`SetupContext.name_of`)."""
+    compiler: str | None = None
+    """The plugin that declared, with :meth:`register_compiler`, that it compiles the model."""
+
+    def plugin_config(self, plugin: object) -> Any:
+        """Return ``plugin``'s validated config section (its config dataclass)."""
+        return self.config.plugin(self.name_of(plugin))
+
+    def register_compiler(self, plugin: object) -> None:
+        """Declare that ``plugin`` compiles the model in ``compile_model`` this run.
+
+        Two compilers do not commute (each would compile the other's output, or replace it):
+        the second to declare itself is refused, naming both.
+        """
+        name = self.name_of(plugin)
+        if self.compiler is not None:
+            raise PluginError(
+                f"plugins '{self.compiler}' and '{name}' both compile the model: "
+                "enable only one of them"
+            )
+        self.compiler = name
+
+
+def wrap_forward(module: nn.Module, wrapper: Callable[[Callable[..., Any]], Any]) -> None:
+    """Replace ``module.forward`` by ``wrapper(module.forward)``, in place.
+
+    The module keeps its class, parameters and names, so state-dict keys and checkpoints are
+    the same with and without the wrapper; hooks registered on the module (FSDP2's all-gather
+    and reshard) run around the wrapped forward, outside it. Wrappers compose: the last one
+    applied is the outermost.
+    """
+    module.forward = wrapper(module.forward)
 
 
 @dataclass(eq=False)

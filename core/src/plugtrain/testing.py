@@ -60,7 +60,14 @@ import pytest
 import torch
 from torch import nn
 
-from plugtrain.plugin import SetupContext, StepContext, gradients, hookimpl, local_tensor
+from plugtrain.plugin import (
+    ModelContext,
+    SetupContext,
+    StepContext,
+    gradients,
+    hookimpl,
+    local_tensor,
+)
 
 __all__ = [
     "SAMPLE",
@@ -194,6 +201,16 @@ class HookLog:
     def skipped_steps(self) -> list[int]:
         """The steps a veto skipped (this reads the flags from the device)."""
         return [step for step, flag in self._skipped if flag is not None and bool(flag)]
+
+    @hookimpl(wrapper=True)
+    def wrap_model(self, ctx: ModelContext) -> Iterator[None]:
+        self._log("wrap_model")
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def compile_model(self, ctx: ModelContext) -> Iterator[None]:
+        self._log("compile_model")
+        return (yield)
 
     @hookimpl(wrapper=True)
     def setup(self, ctx: SetupContext) -> Iterator[None]:

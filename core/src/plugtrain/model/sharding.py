@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,14 +35,18 @@ def build_model(
     reduce_dtype: torch.dtype,
     device: torch.device,
     seed: int,
+    transform: Callable[[Transformer], None] | None = None,
 ) -> Transformer:
-    """Build on the meta device, shard, then materialise and initialise.
+    """Build on the meta device, ``transform`` it, shard, then materialise and initialise.
 
-    No rank ever holds the full model, and ``init_weights`` gives the same weights whatever
-    the world size.
+    ``transform`` (the plugins' model hooks) sees the unsharded model on the meta device and
+    changes it in place. No rank ever holds the full model, and ``init_weights`` gives the same
+    weights whatever the world size.
     """
     with torch.device("meta"):
         model = Transformer(args)
+    if transform is not None:
+        transform(model)
     shard_model(model, mesh, param_dtype, reduce_dtype)
     model.to_empty(device=device)
     model.init_weights(seed=seed)

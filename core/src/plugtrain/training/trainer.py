@@ -31,12 +31,12 @@ from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.distributed import World, all_reduce_mean, init_world
 from plugtrain.host.plugin_host import PluginHost
 from plugtrain.model.sharding import DTYPES, build_model
-from plugtrain.model.transformer import FLAVORS
+from plugtrain.model.transformer import FLAVORS, Transformer
 from plugtrain.observability.logs import setup_logging
 from plugtrain.observability.metrics import MetricsLogger, to_number, write_run_records
 from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflops, throughput
 from plugtrain.observability.trace import HookTracer, tracing_requested
-from plugtrain.plugin import SetupContext, StepContext
+from plugtrain.plugin import ModelContext, SetupContext, StepContext
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.optim import LRSchedule, build_optimizer, lr_factor
 from plugtrain.training.stop import StopSignals
@@ -109,6 +109,7 @@ class Trainer:
             self.reduce_dtype,
             self.device,
             train_cfg.seed,
+            transform=self._transform_model,
         )
         self.params = tuple(self.model.parameters())
         """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
@@ -204,6 +205,22 @@ class Trainer:
             planned,
             what,
         )
+
+    def _transform_model(self, model: Transformer) -> None:
+        """Fire the model hooks on the unsharded model, on the meta device: wrap, then compile."""
+        ctx = ModelContext(
+            config=self.config,
+            model=model,
+            blocks=tuple(model.layers),
+            device=self.device,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            name_of=self.host.name_of,
+        )
+        self.hook.wrap_model(ctx=ctx)
+        self.hook.compile_model(ctx=ctx)
 
     def _setup_plugins(self) -> None:
         ctx = SetupContext(
