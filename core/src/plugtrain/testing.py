@@ -16,7 +16,8 @@ Runs:
 * :func:`run_distributed` calls a function on N spawned ranks; :func:`run_script` runs a
   training script as a user would (python, or torchrun for several processes).
 
-Unit tests of one hook: :func:`step_context` and :func:`setup_context` build real contexts.
+Unit tests of one hook: :func:`step_context`, :func:`setup_context` and :func:`model_context`
+build real contexts.
 
 Faults: :class:`InjectInf` puts inf into the loss or one rank's gradients at given steps
 (:func:`poison` does it by hand); :class:`SigtermAt` stops a run with SIGTERM on one rank, and
@@ -83,6 +84,7 @@ __all__ = [
     "free_port",
     "interrupted_and_resumed",
     "make_trainer",
+    "model_context",
     "parameter_checksums",
     "plugtrain_run",
     "poison",
@@ -498,6 +500,20 @@ def step_context(
     )
 
 
+def _configured(plugins: dict[str, object] | None, args: Sequence[str]) -> tuple[Any, Any]:
+    """A tiny run's validated config with ``args``, and ``name_of`` answering from ``plugins``."""
+    from plugtrain.training.launch import configure
+
+    configured = configure(tiny_args(tempfile.mkdtemp(prefix="plugtrain-setup-"), *args))
+    assert configured is not None
+    names = {id(obj): name for name, obj in (plugins or {}).items()}
+
+    def name_of(plugin: object) -> str:
+        return names[id(plugin)]
+
+    return configured[0], name_of
+
+
 def setup_context(
     plugins: dict[str, object] | None = None,
     *args: str,
@@ -512,19 +528,9 @@ def setup_context(
     (``"--plugins.enabled", "grad_clip", "--grad_clip.max_norm", "2"``), so
     ``ctx.plugin_config(plugin)`` returns the plugin's section. One process, the CPU, no mesh.
     """
-    from plugtrain.training.launch import configure
-
-    plugins = dict(plugins or {})
-    configured = configure(tiny_args(tempfile.mkdtemp(prefix="plugtrain-setup-"), *args))
-    assert configured is not None
-    config, _ = configured
+    config, name_of = _configured(plugins, args)
     model = _tiny_model() if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    names = {id(obj): name for name, obj in plugins.items()}
-
-    def name_of(plugin: object) -> str:
-        return names[id(plugin)]
-
     return SetupContext(
         config=config,
         model=model,
@@ -534,6 +540,38 @@ def setup_context(
         reduce_dtype=reduce_dtype,
         device=torch.device("cpu"),
         mesh=None,  # type: ignore[arg-type]
+        rank=0,
+        world_size=1,
+        name_of=name_of,
+    )
+
+
+def model_context(
+    plugins: dict[str, object] | None = None,
+    *args: str,
+    model: nn.Module | None = None,
+    param_dtype: torch.dtype = torch.float32,
+) -> ModelContext:
+    """A real :class:`~plugtrain.plugin.ModelContext` for calling ``wrap_model`` or
+    ``compile_model`` in a unit test.
+
+    ``plugins`` and ``args`` as for :func:`setup_context`. The model is the tiny flavor's
+    ``Transformer``, on the CPU and initialised (seed 0), unless ``model`` is given: the hooks
+    can be checked by running it. One process, the CPU.
+    """
+    from plugtrain.model.transformer import FLAVORS, Transformer
+
+    config, name_of = _configured(plugins, args)
+    if model is None:
+        model = Transformer(FLAVORS["tiny"])
+        model.init_weights(seed=0)
+    return ModelContext(
+        config=config,
+        model=model,
+        blocks=tuple(model.layers),  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+        param_dtype=param_dtype,
+        reduce_dtype=torch.float32,
         rank=0,
         world_size=1,
         name_of=name_of,
