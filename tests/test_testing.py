@@ -168,3 +168,16 @@ def test_a_two_process_run_matches_the_contract_on_every_rank(tmp_path):
     assert [r["skipped_steps"] for r in run.per_rank] == [[2], [2]]
     assert run.per_rank[0]["hooks"] == run.per_rank[1]["hooks"] == run.hooks
     assert sorted(run.losses) == [1, 2, 3]
+
+
+def test_peak_memory_counts_the_tensors_alive_at_once():
+    from plugtrain.testing import PeakMemory
+
+    with PeakMemory() as memory:
+        a = torch.ones(1000)  # 4000 bytes
+        b = a[:10]  # a view: no new memory
+        c = torch.ones(500)  # 2000 more: 6000 alive
+        del a, b, c
+        d = torch.ones(250)  # 1000, after 6000 were freed
+    assert (memory.peak, memory.live) == (6000, 1000)
+    del d

@@ -51,6 +51,7 @@ import tempfile
 import traceback
 import types
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from plugtrain.plugin import (
     ModelContext,
@@ -75,6 +78,7 @@ __all__ = [
     "Costs",
     "HookLog",
     "InjectInf",
+    "PeakMemory",
     "RunResult",
     "SigtermAt",
     "StepWatcher",
@@ -690,6 +694,40 @@ class StepWatcher:
 
 
 # --------------------------------------------------------------------------- checks
+
+
+class PeakMemory(TorchDispatchMode):
+    """The peak bytes of the tensors that ops create while it is on, on any device.
+
+    ``with PeakMemory() as memory: ...`` then ``memory.peak``: the CPU's stand-in for
+    ``torch.cuda.max_memory_allocated``, counting each storage an op returns from its creation
+    until it is freed (tensors that existed before, such as parameters, are not counted).
+    Activation memory is what it tells apart: a forward and backward under it peaks at the
+    activations kept for backward, plus the gradients.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        """Bytes alive now."""
+        self.peak = 0
+        """The most bytes alive at once."""
+        self._seen: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage not in self._seen:  # a view of a counted tensor is not new memory
+                    self._seen.add(storage)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, storage.nbytes())
+        return out
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
 
 
 def interrupted_and_resumed(
