@@ -15,7 +15,7 @@ Everything runs in one process on ``cuda:0`` and finishes in well under 10 minut
 or H200 (``--budget-s`` stops starting new parts after that many seconds). On a machine
 without CUDA it stops at once with exit status 2 and says so.
 
-    python bench/gpu.py                   # add --compile to torch.compile the blocks' layers
+    python bench/gpu.py                   # add --compile, --ac full: the transform plugins
     python bench/gpu.py --quick           # a minute: few steps, checks that it all runs
 """
 
@@ -48,15 +48,19 @@ def require_cuda() -> None:
         raise SystemExit(2)
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
-    """``torch.compile`` the attention and feed-forward of every block, in place.
-
-    NOTE: the blocks themselves carry FSDP2's hooks (all-gather, reshard); compiling the
-    layers inside them keeps those hooks out of the compiled graphs without touching the core.
-    """
-    for block in model.layers:
-        block.attention.compile()
-        block.feed_forward.compile()
+def transform_args(compile_: bool, ac: str | None) -> list[str]:
+    """Config arguments enabling the model transforms through their plugins: ``compile``
+    (inductor, per block) and ``activation_checkpointing`` in ``ac`` mode."""
+    plugins, extra = [], []
+    if compile_:
+        plugins.append("compile")
+    if ac is not None:
+        plugins.append("activation_checkpointing")
+        if ac != "full":
+            by = ac.removeprefix("selective-")
+            extra += ["--activation_checkpointing.mode", "selective",
+                      "--activation_checkpointing.selective_by", by]  # fmt: skip
+    return ["--plugins.enabled", ",".join(plugins), *extra] if plugins else []
 
 
 def throughput(
@@ -68,6 +72,7 @@ def throughput(
     steps: int,
     compile_: bool,
     peak: float | None,
+    ac: str | None = None,
 ) -> dict:
     """Tokens/s, MFU and peak memory of ``Trainer.train_step`` with both plugins enabled."""
     from hook_overhead import PLUGINS, timed
@@ -84,9 +89,10 @@ def throughput(
         batch_size=batch_size,
         seq_len=seq_len,
     )  # fmt: skip
-    trainer = Trainer(*configure(train_args))
-    if compile_:
-        compile_blocks(trainer.model)
+    transforms = transform_args(compile_, ac)
+    if transforms:  # the last --plugins.enabled wins: name every plugin in it
+        transforms[1] = ",".join([*PLUGINS, transforms[1]])
+    trainer = Trainer(*configure([*train_args, *transforms]))
     step = trainer.train_step
     for _ in range(warmup):
         step(trainer.batches.next_batch())
@@ -105,6 +111,7 @@ def throughput(
         "flavor": flavor,
         "dtype": dtype,
         "compile": compile_,
+        "activation_checkpointing": ac,
         "params": trainer.model_args.num_params(),
         "params_non_embedding": trainer.model_args.num_params(exclude_embedding=True),
         "batch_size": batch_size,
@@ -130,7 +137,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--flavor", default="1B", help="the large model's flavour (default: %(default)s)"
     )
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block's layers")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile each block (the compile plugin)"
+    )
+    parser.add_argument(
+        "--ac",
+        choices=["full", "selective-op", "selective-layer"],
+        help="activation checkpointing (the activation_checkpointing plugin) in this mode",
+    )
     parser.add_argument("--batch-size", type=int, default=4, help="1B throughput batch")
     parser.add_argument("--seq-len", type=int, default=2048, help="1B throughput sequence length")
     parser.add_argument("--steps", type=int, default=20, help="timed 1B throughput steps")
@@ -208,6 +222,7 @@ def main() -> None:
                 steps,
                 args.compile,
                 peak,
+                args.ac,
             )
         )
         free_cuda()

@@ -173,3 +173,25 @@ def test_data_scale(tmp_path):
         assert run["seconds"] > 0 and run["peak_rss_mb"] > 100
     assert results["store"]["tokens"] == 4_000_000
     assert 0 < results["data_share"] < 1
+
+
+@pytest.mark.slow
+def test_transforms(tmp_path):
+    results = quick_results("transforms", tmp_path)
+    (ac,) = results["activation_checkpointing"]
+    modes = {m["mode"]: m for m in ac["modes"]}
+    assert list(modes) == ["full", "selective-op", "selective-layer"]
+    for m in modes.values():
+        assert m["bitwise_equal"] is True, m["mode"]
+        assert 0 < m["peak_mib"] < ac["none_peak_mib"], m["mode"]
+        assert m["time"]["ratio"]["n"] == 3
+    assert modes["full"]["peak_mib"] < modes["selective-op"]["peak_mib"]
+    for r in results["world_size_1"]:
+        if r["dtype"] == "float32":  # bf16: FSDP2's casts against autocast's, not equal
+            assert r["losses_equal_plain"] is True
+        for key in ("plugtrain_vs_plain", "control_vs_plain", "fsdp_vs_plain"):
+            assert r[key]["ratio"]["n"] == 3, key
+    assert [r["dtype"] for r in results["compile"]] == ["float32"]
+    for r in results["compile"]:
+        assert r["backend"] == "aot_eager" and r["compile_seconds"] > 0
+        assert r["max_loss_rel_diff"] < 1e-5
