@@ -23,7 +23,7 @@ from plugtrain.checkpoint.faults import FAULT_ENV
 from plugtrain.checkpoint.manager import complete_checkpoints
 from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.observability.metrics import truncate_metrics
-from plugtrain.plugin import SetupContext, StepContext, hookimpl
+from plugtrain.plugin import SetupContext, StepContext, full_tensor, hookimpl
 from plugtrain.testing import (
     SigtermAt,
     make_trainer,
@@ -92,7 +92,7 @@ class Dormant:
 
 def full_parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
     """Every parameter, unsharded (collective), by name."""
-    return {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    return {n: full_tensor(p.detach()).clone() for n, p in trainer.model.named_parameters()}
 
 
 def build(dump_folder: Path, *args: str, plugins: dict | None = None) -> Trainer:

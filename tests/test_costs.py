@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
 from plugtrain.distributed import init_world
 from plugtrain.observability.costs import CostCounter
-from plugtrain.plugin import hookimpl
+from plugtrain.plugin import hookimpl, local_tensor
 from plugtrain.testing import run_distributed, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
@@ -168,7 +168,7 @@ class ItemInPreStep:
 
     @hookimpl
     def pre_step(self, ctx):
-        ctx.model.tok_embeddings.weight.to_local().sum().item()
+        local_tensor(ctx.model.tok_embeddings.weight).sum().item()
 
 
 def step_costs(tmp_path, *args: str, extra: dict | None = None, steps: int = 2) -> list:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from plugtrain.plugin import StepContext, hookimpl
+from plugtrain.plugin import StepContext, full_tensor, hookimpl
 from plugtrain.testing import make_trainer, read_metrics, tiny_args
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
@@ -60,7 +60,7 @@ class ContextProbe:
         grads = ctx.gradients()
         assert len(grads) == len(list(ctx.parameters()))
         # ...so every gradient is zero, and the step does nothing.
-        assert all(torch.count_nonzero(g.full_tensor()) == 0 for g in grads)
+        assert all(torch.count_nonzero(full_tensor(g)) == 0 for g in grads)
         self.seen.append("post_backward")
 
     @hookimpl
@@ -75,12 +75,12 @@ def test_step_context_contents_and_loss_replacement(tmp_path):
         tmp_path, "--training.grad_accum_steps", "2", "--optimizer.weight_decay", "0",
         plugins=[("probe", probe)], steps=2,
     )  # fmt: skip
-    before = [p.detach().full_tensor().clone() for p in trainer.model.parameters()]
+    before = [full_tensor(p.detach()).clone() for p in trainer.model.parameters()]
     trainer.train()
     assert probe.seen == ["pre_backward"] * 2 + ["post_backward", "post_step"] * 1 + [
         "pre_backward"
     ] * 2 + ["post_backward", "post_step"]
-    after = [p.detach().full_tensor() for p in trainer.model.parameters()]
+    after = [full_tensor(p.detach()) for p in trainer.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     # The logged loss is the unscaled one, whatever pre_backward did to ctx.loss.
     losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
@@ -97,13 +97,13 @@ def test_veto_skips_optimizer_and_lr_schedule(tmp_path):
     class Snapshot:
         @hookimpl
         def pre_step(self, ctx):
-            params[ctx.step] = [p.detach().full_tensor().clone() for p in ctx.parameters()]
+            params[ctx.step] = [full_tensor(p.detach()).clone() for p in ctx.parameters()]
             lrs[ctx.step] = int(trainer.lr_scheduler.applied_steps)
 
         @hookimpl
         def post_step(self, ctx):
             same = all(
-                torch.equal(a, p.detach().full_tensor())
+                torch.equal(a, full_tensor(p.detach()))
                 for a, p in zip(params[ctx.step], ctx.parameters(), strict=True)
             )
             assert same == bool(ctx.skipped), f"step {ctx.step}: parameters changed={not same}"
@@ -182,7 +182,7 @@ def test_gradient_phases_make_every_plugin_order_give_the_same_run(tmp_path):
     for i, order in enumerate(itertools.permutations(("probe", "grad_clip", "grad_scaler"))):
         probe = NormProbe()
         trainer = run_in_order(tmp_path / str(i), order, probe, *FP16_OVERFLOWING)
-        params = [p.detach().full_tensor() for p in trainer.model.parameters()]
+        params = [full_tensor(p.detach()) for p in trainer.model.parameters()]
         runs.append((order, probe.norms, params, numbers(read_metrics(tmp_path / str(i)))))
     (_, norms, params, records), *others = runs
     assert 0 < int(records[-1]["skipped_steps"]) < 4  # the scaler skipped, and stepped

@@ -14,7 +14,7 @@ from plugtrain.errors import ConfigError
 from plugtrain.host.plugin_host import PluginHost
 from plugtrain.observability import trace
 from plugtrain.observability.trace import HookTracer, format_summary, tracing_requested
-from plugtrain.plugin import StepContext, hookimpl
+from plugtrain.plugin import StepContext, hookimpl, local_tensor
 from plugtrain.testing import tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
@@ -240,7 +240,7 @@ class Reads:
 
     @hookimpl
     def post_backward(self, ctx):
-        norm = torch.stack([g.to_local().norm() for g in ctx.gradients()]).norm()
+        norm = torch.stack([local_tensor(g).norm() for g in ctx.gradients()]).norm()
         bool(norm > 0)
         float(norm)
         norm.reshape(1).tolist()

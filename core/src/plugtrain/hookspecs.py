@@ -129,9 +129,10 @@ def unscale_gradients(ctx: StepContext) -> None:
 
     Fires once per optimizer step, after the last microbatch's backward, when the gradients are
     complete: FSDP2's reduce-scatter has finished and each rank holds its gradient shards
-    (DTensors, averaged over ranks). Only a loss scaler implements it: it divides the gradients
-    by the scale it multiplied the loss by in ``pre_backward`` (and finds inf/nan). Every later
-    phase sees true gradients.
+    (DTensors, averaged over ranks; plain tensors in a float32 run of one process, which is not
+    sharded). Only a loss scaler implements it: it divides the gradients by the scale it
+    multiplied the loss by in ``pre_backward`` (and finds inf/nan). Every later phase sees true
+    gradients.
     """
 
 
@@ -150,7 +151,8 @@ def post_backward(ctx: StepContext) -> None:
     """Gradient phase 3, modify: transform the gradients in place (clipping).
 
     Fires once per optimizer step, after ``observe_gradients``. The gradients are true (a loss
-    scaler has unscaled them) and are DTensor shards, in fp32 under FSDP2's mixed precision.
+    scaler has unscaled them) and are DTensor shards, in fp32 under FSDP2's mixed precision
+    (plain fp32 tensors in a float32 run of one process: handle both).
     Modify them in place; implementations of this phase must commute (their results may not
     depend on which runs first).
     """

@@ -31,6 +31,7 @@ __all__ = [
     "SetupContext",
     "StepContext",
     "check_field",
+    "full_tensor",
     "gradients",
     "hookimpl",
     "local_tensor",
@@ -112,7 +113,9 @@ class SetupContext:
     config: JobConfig
     """The whole validated config (core sections and every enabled plugin's section)."""
     model: nn.Module
-    """The model, already wrapped with FSDP2 ``fully_shard``: its parameters are DTensors."""
+    """The model, wrapped with FSDP2 ``fully_shard``: its parameters are DTensors. A float32 run
+    of one process has nothing to shard or cast and is not wrapped: plain tensors (use
+    :func:`local_tensor` and :func:`full_tensor` to handle both)."""
     optimizer: Optimizer
     lr_scheduler: LRScheduler
     param_dtype: torch.dtype
@@ -176,8 +179,9 @@ class StepContext:
     optimizer: Optimizer
     params: tuple[nn.Parameter, ...]
     """The model's parameters, in ``model.parameters()`` order (FSDP2 DTensors, sharded over
-    the mesh). A tuple the trainer builds once: walking the module tree costs 50 us
-    (debug model) to 400 us (8B) per ``model.parameters()`` call."""
+    the mesh; plain tensors in a float32 run of one process). A tuple the trainer builds once:
+    walking the module tree costs 50 us (debug model) to 400 us (8B) per
+    ``model.parameters()`` call."""
     loss_scaler: str | None = None
     """The plugin that scales the loss this run (see :meth:`SetupContext.register_loss_scaler`),
     or None: a plugin that handles non-finite gradients leaves them to it."""
@@ -209,6 +213,12 @@ def gradients(model: nn.Module) -> list[torch.Tensor]:
     :func:`local_tensor` plus an explicit collective) to get global quantities.
     """
     return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t``: ``full_tensor()`` of a DTensor (a collective), ``t`` itself otherwise."""
+    gather = getattr(t, "full_tensor", None)
+    return gather() if gather is not None else t
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,15 @@ def test_losses_and_parameters_are_bitwise_those_of_the_run_without_it(plugtrain
         assert checkpointed.checksums == plain.checksums, mode
 
 
+def test_bitwise_too_under_fsdp2_mixed_precision(plugtrain_run):
+    # bf16 compute is sharded by FSDP2 even in one process (a float32 one is not): the
+    # checkpointed blocks carry its hooks, and recompute with the gathered bf16 parameters.
+    bf16 = ("--training.mixed_precision_param", "bfloat16")
+    plain = plugtrain_run(*bf16)
+    checkpointed = plugtrain_run(*ENABLE, *bf16)
+    assert checkpointed.losses == plain.losses and checkpointed.checksums == plain.checksums
+
+
 def test_checkpoints_are_interchangeable_with_the_run_without_it(tmp_path):
     save = ("--checkpoint.enable", "true", "--checkpoint.interval", "2")
     straight = tiny_run(tmp_path / "straight", *save)

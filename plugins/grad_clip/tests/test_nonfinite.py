@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from plugtrain.plugin import SetupContext, StepContext, hookimpl
+from plugtrain.plugin import SetupContext, StepContext, full_tensor, hookimpl
 from plugtrain.testing import InjectInf, StepWatcher, make_trainer, run_distributed
 
 CLIP_INF = ("--plugins.enabled", "grad_clip", "--grad_clip.max_norm", "1.0")
@@ -90,7 +90,7 @@ def test_raise_names_the_step_and_the_fix(tmp_path, clip_args):
         tmp_path, *clip_args(1.0, "--grad_clip.on_nonfinite", "raise"),
         plugins=[("inf_injector", InjectInf(steps=[2]))],
     )  # fmt: skip
-    before = [p.detach().full_tensor().clone() for p in trainer.model.parameters()]
+    before = [full_tensor(p.detach()).clone() for p in trainer.model.parameters()]
     with pytest.raises(
         FloatingPointError,
         match=r"^grad_clip: the total gradient norm at step 2 is not finite: .* set "
@@ -99,7 +99,7 @@ def test_raise_names_the_step_and_the_fix(tmp_path, clip_args):
         trainer.train()  # log_freq 1: raised at step 2's logging, the first read of the device
     assert trainer.step == 2 and int(trainer.vetoes.total) == 1  # step 2 was skipped, too
     assert not all(
-        torch.equal(a, p.detach().full_tensor())
+        torch.equal(a, full_tensor(p.detach()))
         for a, p in zip(before, trainer.model.parameters(), strict=True)
     )  # step 1 trained
 

@@ -12,6 +12,7 @@ from plugtrain.config import JobConfig
 from plugtrain.data.pipeline import StatefulBatchLoader, build_dataset
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.plugin import full_tensor
 from plugtrain.testing import make_trainer, read_metrics, run_distributed, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import LRSchedule, build_optimizer
@@ -28,7 +29,7 @@ def train_and_gather(dump_folder: str, args: list[str], steps: int) -> dict[str,
     trainer = make_trainer(dump_folder, *args, steps=steps)
     trainer.train()
     trainer.close()
-    return {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    return {n: full_tensor(p.detach()).clone() for n, p in trainer.model.named_parameters()}
 
 
 def reference_run(

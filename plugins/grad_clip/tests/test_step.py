@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from plugtrain.host.plugin_host import installed_plugins
-from plugtrain.plugin import hookimpl
+from plugtrain.plugin import full_tensor, hookimpl
 from plugtrain.testing import make_trainer, read_metrics
 
 
 def params_of(trainer) -> list[torch.Tensor]:
-    return [p.detach().full_tensor() for p in trainer.model.parameters()]
+    return [full_tensor(p.detach()) for p in trainer.model.parameters()]
 
 
 @pytest.mark.parametrize("accum", [1, 2])

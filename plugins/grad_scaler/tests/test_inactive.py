@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from plugtrain.plugin import full_tensor
 from plugtrain.testing import count_costs, make_trainer, run_distributed
 from plugtrain.training.trainer import Trainer
 
@@ -69,7 +70,7 @@ def test_no_checks_no_syncs_no_state_same_parameters(tmp_path, dtype):
         f"grad_scaler: {dtype} needs no loss scaling, inactive"
     )
     for (name, a), b in zip(auto.model.named_parameters(), plain.model.parameters(), strict=True):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+        assert torch.equal(full_tensor(a), full_tensor(b)), name
 
 
 def test_the_profiler_sees_the_active_plugins_work(tmp_path):

@@ -15,11 +15,29 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 """The config's dtype names (``training.mixed_precision_*``) as torch dtypes."""
 
 
+def needs_sharding(world_size: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> bool:
+    """Whether FSDP2 has work to do: several ranks, or a mixed-precision cast to apply.
+
+    One process in float32 has nothing to shard and nothing to cast, yet FSDP2 would copy
+    every block into an unsharded buffer and the gradients back at each step (the measured cost
+    is in docs/benchmarks.md): the plain module computes the same numbers without it.
+    Checkpoints stay interchangeable: DCP saves plain tensors and DTensors under the same keys
+    and reshards between them.
+    """
+    return world_size > 1 or param_dtype != torch.float32 or reduce_dtype != torch.float32
+
+
 def shard_model(
     model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype
 ) -> MixedPrecisionPolicy:
-    """Apply FSDP2 to each transformer block, then to the root; return the policy used."""
+    """Apply FSDP2 to each transformer block, then to the root; return the policy used.
+
+    Nothing is applied where :func:`needs_sharding` says there is nothing to do: the
+    parameters then stay plain tensors.
+    """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if not needs_sharding(mesh.size(), param_dtype, reduce_dtype):
+        return policy
     layers = list(model.layers)
     for i, block in enumerate(layers):
         # The last block stays gathered after forward, since backward needs it at once.
