@@ -28,13 +28,18 @@ __all__ = [
     "PROJECT_NAME",
     "ConfigError",
     "ModelContext",
+    "PluginError",
+    "Rewind",
+    "RunControl",
     "SetupContext",
+    "SkipRange",
     "StepContext",
     "check_field",
     "full_tensor",
     "gradients",
     "hookimpl",
     "local_tensor",
+    "total_norm",
     "wrap_forward",
 ]
 
@@ -134,6 +139,9 @@ class SetupContext:
     """The plugin that declared, with :meth:`register_loss_scaler`, that it scales the loss."""
     deactivations: dict[object, str] = field(default_factory=dict, repr=False)
     """Plugins that called :meth:`deactivate`, with their reasons (the host reads it)."""
+    control: RunControl = field(default_factory=lambda: RunControl(), repr=False)
+    """The run's :class:`RunControl`: the batch ranges skipped so far; skips and rewinds to ask
+    for. The same object step hooks see as :attr:`StepContext.control`."""
 
     def plugin_config(self, plugin: object) -> Any:
         """Return ``plugin``'s validated config section (its config dataclass)."""
@@ -196,6 +204,12 @@ class StepContext:
     device (reading it on the host is a sync: use it in device arithmetic)."""
     skip_reasons: list[str] = field(default_factory=list)
     """In ``post_step``: the reasons of the string vetoes (device vetoes give none)."""
+    batch: int = 0
+    """The global number of the batch this step trains on: the batches the data stream has
+    handed out since the run began, this one included (skipped ones count), the same on every
+    rank and for any world size. Without skips it equals :attr:`step`."""
+    control: RunControl = field(default_factory=lambda: RunControl())
+    """The run's :class:`RunControl`, for requests decided on the host (skips, rewinds)."""
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The model's parameters (FSDP2 DTensors, sharded over the mesh)."""
@@ -230,3 +244,97 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 MetricValue = float | int | torch.Tensor
 """A step metric: a Python number, or a 0-d tensor (read on logging steps only)."""
 Metrics = Mapping[str, MetricValue]
+
+
+def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type`` norm of all ``tensors`` together, over every rank and FSDP2 shard.
+
+    A 0-d fp32 tensor on the device, the same on every rank, as ``clip_grad_norm_`` computes it
+    on the unsharded model; inf or nan if any element is. Nothing is read on the host.
+    """
+    # On DTensor gradients the norm is a DTensor that may still be partial over ranks
+    # (Partial(max) for inf): full_tensor() all-reduces it into the global norm.
+    norm = torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True)
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else norm
+
+
+# --------------------------------------------------------------------------- run control
+
+
+@dataclass(frozen=True)
+class SkipRange:
+    """Global batch numbers ``first`` to ``last`` (inclusive) that the data loader skips."""
+
+    first: int
+    last: int
+    source: str
+    """The plugin that asked for it ("" when only a checkpoint knows it)."""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """A rewind :meth:`RunControl.rewind` asked for at ``step``; after it is done,
+    :attr:`RunControl.rewinds` holds it with ``loaded_step`` and ``skipped`` filled in."""
+
+    step: int
+    """The step after which it was asked for."""
+    to_step: int
+    """Go back to the latest complete checkpoint at this step or earlier."""
+    through_batch: int
+    """Skip the batches after that checkpoint's through this global batch number."""
+    source: str
+    reason: str
+    loaded_step: int = 0
+    """The checkpoint's step it went back to (0 until done)."""
+    skipped: SkipRange | None = None
+    """The batches it skipped (None until done, or if none were left to skip)."""
+
+
+class RunControl:
+    """Requests that a plugin makes of the run, decided on the host: skip data, rewind.
+
+    Both take effect at the end of the step that asks (after its checkpoint, if one is due),
+    identically on every rank: a plugin must decide them from values that are the same on
+    every rank and read on the same step (on logging steps, for instance), never from a
+    per-step host read. Skipped batch ranges are the run's state: written atomically to
+    ``<job.dump_folder>/data_skips.json`` before they apply, and kept in every later
+    checkpoint, so that a restart, and a rewind to a checkpoint older than a range, still skip
+    them. Batches are numbered globally (:attr:`StepContext.batch`), whatever the world size.
+    """
+
+    def __init__(self) -> None:
+        self.skip_ranges: list[SkipRange] = []
+        """Every range the run skips: read from ``data_skips.json`` and the checkpoint at
+        start-up, and added by requests since."""
+        self.rewinds: list[Rewind] = []
+        """The rewinds done by this process, in order, as done."""
+        self.requested_skips: list[SkipRange] = []
+        self.requested_rewind: Rewind | None = None
+
+    def skip_batches(self, first: int, last: int, source: str, reason: str) -> None:
+        """Skip global batches ``first`` .. ``last`` (those not drawn yet) from the next step on.
+
+        ``source`` is the asking plugin's name. The batch the next step trains on has
+        already been drawn and copied ahead: it is skipped too if it is in the range.
+        """
+        if not 1 <= first <= last:
+            raise PluginError(f"plugin '{source}': skip_batches({first}, {last}) is no range")
+        self.requested_skips.append(SkipRange(first, last, source, reason))
+
+    def rewind(self, step: int, to_step: int, through_batch: int, source: str, reason: str) -> None:
+        """After this ``step``, go back to the latest checkpoint at ``to_step`` or earlier and
+        skip the batches from there through global batch ``through_batch``.
+
+        The model, optimizer, schedule, data position, RNGs and plugin states are those of the
+        checkpoint (``load_state_dict`` fires again); later checkpoints are deleted; the skipped
+        range is kept as :meth:`skip_batches` says. A rewind that finds no checkpoint ends the
+        run with a one-line :class:`CheckpointError`. One rewind per step: a second is an error.
+        """
+        if self.requested_rewind is not None:
+            raise PluginError(
+                f"plugin '{source}' asks for a rewind at step {step}, but "
+                f"'{self.requested_rewind.source}' already did"
+            )
+        self.requested_rewind = Rewind(step, to_step, through_batch, source, reason)

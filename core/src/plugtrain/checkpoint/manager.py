@@ -460,6 +460,32 @@ class CheckpointManager:
                 )
             self._barrier(self._control_group)
 
+    def rewind(self, at_most: int) -> int:
+        """Go back to the latest complete checkpoint at step ``at_most`` or earlier, delete the
+        later ones, and return its step (collective).
+
+        The later checkpoints go only once the load has succeeded: a crash before leaves them,
+        and the caller's record of the rewind (``data_skips.json``) has it done again.
+        """
+        self.wait()
+        available = complete_checkpoints(self.folder)
+        earlier = [s for s in available if s <= at_most]
+        if not earlier:
+            steps = ", ".join(map(str, available)) or "none"
+            raise CheckpointError(
+                f"cannot rewind to step {at_most} or earlier: {self.folder} has no complete "
+                f"checkpoint there (complete ones: {steps}); save more often "
+                "(checkpoint.interval) or keep more (checkpoint.keep_latest_k)"
+            )
+        chosen = earlier[-1]
+        self._load(available[chosen])
+        if self.world.is_main:
+            for s in available:
+                if s > chosen:
+                    _delete(available[s])
+        self._barrier(self._control_group)
+        return chosen
+
     def _choose(self, available: Mapping[int, Path]) -> int | None:
         """The step to resume from, None to start afresh."""
         load_step = self.config.load_step

@@ -27,6 +27,7 @@ from plugtrain.data.pipeline import (
     iter_eval_batches,
 )
 from plugtrain.data.prefetch import DevicePrefetcher
+from plugtrain.data.skips import SkippingLoader
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.distributed import World, all_reduce_mean, init_world
 from plugtrain.host.plugin_host import PluginHost
@@ -36,9 +37,10 @@ from plugtrain.observability.logs import setup_logging
 from plugtrain.observability.metrics import MetricsLogger, to_number, write_run_records
 from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflops, throughput
 from plugtrain.observability.trace import HookTracer, tracing_requested
-from plugtrain.plugin import ModelContext, SetupContext, StepContext
+from plugtrain.plugin import ModelContext, RunControl, SetupContext, StepContext
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.optim import LRSchedule, build_optimizer, lr_factor
+from plugtrain.training.requests import RunRequests
 from plugtrain.training.stop import StopSignals
 from plugtrain.training.vetoes import Vetoes
 
@@ -96,7 +98,10 @@ class Trainer:
             seed=train_cfg.seed,
             shuffle=config.data.shuffle,
         )
-        self.batches = DevicePrefetcher(loader, self.device)
+        self.control = RunControl()
+        self.batches = SkippingLoader(
+            DevicePrefetcher(loader, self.device), self.control.skip_ranges
+        )
         self.model_args = dataclasses.replace(
             FLAVORS[config.model.flavor],
             vocab_size=self.tokenizer.vocab_size,
@@ -143,7 +148,10 @@ class Trainer:
             host=host,
             run_config=config.to_dict(),
         )
-        self.checkpointer.load()
+        self.requests = RunRequests(
+            self.control, self.batches, self.checkpointer, config.job.dump_folder, self.world
+        )
+        self.requests.resume()
         # After the load, so that a refused resume leaves the run's records untouched.
         self.metrics.start(self.step)
         if self.world.is_main:
@@ -235,6 +243,7 @@ class Trainer:
             rank=self.world.rank,
             world_size=self.world.world_size,
             name_of=self.host.name_of,
+            control=self.control,
         )
         self.host.setup(ctx)
         self.loss_scaler = ctx.loss_scaler
@@ -271,6 +280,8 @@ class Trainer:
             self.optimizer,
             self.params,
             loss_scaler=self.loss_scaler,
+            batch=self.batches.drawn,
+            control=self.control,
         )
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
@@ -329,6 +340,7 @@ class Trainer:
                 self.metrics.log({"step": self.step, "validation_loss": self.validate()})
             stop = self.stop.vote()
             self.checkpointer.after_step(self.step, stop is not None)
+            self.requests.after_step()
             if stop is not None:
                 self._log_stop(stop.name)
                 break

@@ -1,0 +1,50 @@
+"""Skipped batch ranges: the loader wrapper, its checkpoint state, and the skip file."""
+
+from __future__ import annotations
+
+import pytest
+
+from plugtrain.data.skips import SKIP_FILE, SkippingLoader, read_skip_file, write_skip_file
+from plugtrain.errors import DataError
+from plugtrain.plugin import Rewind, SkipRange
+
+
+class Counting:
+    """A loader whose batches are their own numbers."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next_batch(self) -> int:
+        self.n += 1
+        return self.n
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.n = state_dict["n"]
+
+
+def test_ranges_are_skipped_and_kept_in_the_state():
+    loader = SkippingLoader(Counting(), [SkipRange(2, 3, "a")])
+    assert [loader.next_batch() for _ in range(2)] == [1, 4]
+    state = loader.state_dict()
+    assert state["n"] == state["batches_drawn"] == 4
+    # Loading an older state (a rewind) keeps the ranges known since, and adds its own.
+    older = SkippingLoader(Counting(), [SkipRange(6, 6, "b")])
+    older.load_state_dict(state)
+    assert [(r.first, r.last, r.source) for r in older.ranges] == [(6, 6, "b"), (2, 3, "")]
+    assert [older.next_batch() for _ in range(2)] == [5, 7]
+
+
+def test_the_skip_file_round_trips_and_a_damaged_one_is_one_line(tmp_path):
+    assert read_skip_file(tmp_path) == ([], None)
+    ranges = [SkipRange(5, 8, "spike_guard", "spike")]
+    rewind = Rewind(7, 5, 8, "spike_guard", "spike")
+    write_skip_file(tmp_path, ranges, rewind)
+    assert read_skip_file(tmp_path) == (ranges, rewind)
+    (tmp_path / SKIP_FILE).write_text("{")
+    with pytest.raises(DataError, match=f"{SKIP_FILE} is damaged .*delete it") as e:
+        read_skip_file(tmp_path)
+    assert "\n" not in str(e.value)
