@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from plugtrain.plugin import SetupContext, StepContext, check_field, hookimpl
+from plugtrain.plugin import SetupContext, StepContext, check_field, hookimpl, total_norm
 
 __all__ = ["GradClip", "GradClipConfig"]
 
@@ -76,12 +75,8 @@ class GradClip:
         grads = [p.grad for p in params]
         # NOTE: FSDP2 keeps the sharded parameters, hence their gradients, in fp32 whatever
         # training.mixed_precision_param says (it casts only the unsharded copies used in
-        # forward and backward), so the norm is computed in fp32. On DTensor gradients the norm
-        # is a DTensor that may still be partial over ranks (Partial(max) for inf):
-        # full_tensor() all-reduces it into the global norm, the same on every rank.
-        norm = torch.nn.utils.get_total_norm(grads, self.config.norm_type, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        # forward and backward), so the norm is computed in fp32.
+        norm = total_norm(grads, self.config.norm_type)
         torch.nn.utils.clip_grads_with_norm_(params, self.config.max_norm, norm, foreach=True)
         self.total_norm = norm
 
