@@ -1,0 +1,51 @@
+"""spike_guard: one-line config errors, and no host sync on a non-logging step."""
+
+from __future__ import annotations
+
+import pytest
+from plugtrain_spike_guard import SpikeGuard
+
+from plugtrain.plugin import ConfigError, PluginError
+from plugtrain.testing import assert_costs, count_costs, setup_context
+
+ENABLE = ("--plugins.enabled", "spike_guard")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("window", "1", "config key 'spike_guard.window' must be >= 2, got 1"),
+        ("sigma", "0", "config key 'spike_guard.sigma' must be > 0, got 0.0"),
+        ("signals", "loss,norm", "config key 'spike_guard.signals' must be a non-empty list of"),
+        (
+            "rewind_sigma",
+            "3",
+            "'spike_guard.rewind_sigma' must be 0 (off) or > sigma = 6.0",
+        ),
+    ],
+)
+def test_a_bad_value_is_a_one_line_error(key, value, message):
+    with pytest.raises(ConfigError) as e:
+        setup_context({}, *ENABLE, f"--spike_guard.{key}", value)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_rewinding_without_checkpoints_is_a_one_line_error():
+    guard = SpikeGuard()
+    ctx = setup_context({"spike_guard": guard}, *ENABLE)
+    with pytest.raises(PluginError, match=r"checkpoint\.enable is off: enable checkpoints") as e:
+        guard.setup(ctx)
+    assert "\n" not in str(e.value)
+    ctx = setup_context({"spike_guard": guard}, *ENABLE, "--spike_guard.max_consecutive", "0")
+    guard.setup(ctx)  # skipping alone needs no checkpoint
+
+
+def test_no_host_sync_per_step_with_grad_clip_and_the_fp16_scaler(tmp_path):
+    costs = count_costs(
+        tmp_path,
+        "--plugins.enabled", "spike_guard,grad_clip,grad_scaler",
+        "--training.mixed_precision_param", "float16",
+        "--checkpoint.enable", "true", "--checkpoint.async_mode", "disabled",
+    )  # fmt: skip
+    assert_costs(costs, syncs=0)
