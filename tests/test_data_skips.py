@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from plugtrain.data.skips import SKIP_FILE, SkippingLoader, read_skip_file, write_skip_file
-from plugtrain.errors import DataError
-from plugtrain.plugin import Rewind, SkipRange
+from plugtrain.distributed import World
+from plugtrain.errors import CheckpointError, DataError
+from plugtrain.plugin import Rewind, RunControl, SkipRange
+from plugtrain.training.requests import RunRequests
 
 
 class Counting:
@@ -48,3 +51,20 @@ def test_the_skip_file_round_trips_and_a_damaged_one_is_one_line(tmp_path):
     with pytest.raises(DataError, match=f"{SKIP_FILE} is damaged .*delete it") as e:
         read_skip_file(tmp_path)
     assert "\n" not in str(e.value)
+
+
+class NoCheckpoint:
+    def latest_at_most(self, at_most: int) -> int:
+        raise CheckpointError(f"cannot rewind to step {at_most} or earlier")
+
+
+def test_a_rewind_with_no_checkpoint_to_go_to_is_refused_before_it_is_recorded(tmp_path):
+    control = RunControl()
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    requests = RunRequests(
+        control, SkippingLoader(Counting(), control.skip_ranges), NoCheckpoint(), tmp_path, world
+    )
+    control.rewind(7, 0, 8, "guard", "spike")
+    with pytest.raises(CheckpointError, match="cannot rewind to step 0"):
+        requests.after_step()
+    assert not (tmp_path / SKIP_FILE).exists()  # a restart does not retry it

@@ -460,14 +460,9 @@ class CheckpointManager:
                 )
             self._barrier(self._control_group)
 
-    def rewind(self, at_most: int) -> int:
-        """Go back to the latest complete checkpoint at step ``at_most`` or earlier, delete the
-        later ones, and return its step (collective).
-
-        The later checkpoints go only once the load has succeeded: a crash before leaves them,
-        and the caller's record of the rewind (``data_skips.json``) has it done again.
-        """
-        self.wait()
+    def latest_at_most(self, at_most: int) -> int:
+        """The step of the latest complete checkpoint at step ``at_most`` or earlier; a one-line
+        :class:`CheckpointError` if there is none."""
         available = complete_checkpoints(self.folder)
         earlier = [s for s in available if s <= at_most]
         if not earlier:
@@ -477,12 +472,22 @@ class CheckpointManager:
                 f"checkpoint there (complete ones: {steps}); save more often "
                 "(checkpoint.interval) or keep more (checkpoint.keep_latest_k)"
             )
-        chosen = earlier[-1]
-        self._load(available[chosen])
+        return earlier[-1]
+
+    def rewind(self, at_most: int) -> int:
+        """Go back to the latest complete checkpoint at step ``at_most`` or earlier, delete the
+        later ones, and return its step (collective).
+
+        The later checkpoints go only once the load has succeeded: a crash before leaves them,
+        and the caller's record of the rewind (``data_skips.json``) has it done again.
+        """
+        self.wait()
+        chosen = self.latest_at_most(at_most)
+        self._load(self.folder / f"step-{chosen}")
         if self.world.is_main:
-            for s in available:
+            for s, path in complete_checkpoints(self.folder).items():
                 if s > chosen:
-                    _delete(available[s])
+                    _delete(path)
         self._barrier(self._control_group)
         return chosen
 

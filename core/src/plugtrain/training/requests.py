@@ -56,6 +56,9 @@ class RunRequests:
         for skip in skips:
             self.batches.add(skip)
             logger.warning("skipping batches %d-%d: %s", skip.first, skip.last, skip.reason)
+        if rewind is not None:
+            # Before the file records the rewind, which a restart would otherwise retry.
+            self.checkpointer.latest_at_most(rewind.to_step)
         if skips or rewind is not None:
             self._write(rewind)
         if rewind is not None:
