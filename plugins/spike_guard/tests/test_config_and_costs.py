@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from plugtrain_spike_guard import SpikeGuard
 
-from plugtrain.plugin import ConfigError, PluginError
+from plugtrain.plugin import ConfigError, PluginError, RunControl, SkipRange
 from plugtrain.testing import assert_costs, count_costs, setup_context
 
 ENABLE = ("--plugins.enabled", "spike_guard")
@@ -49,3 +49,15 @@ def test_no_host_sync_per_step_with_grad_clip_and_the_fp16_scaler(tmp_path):
         "--checkpoint.enable", "true", "--checkpoint.async_mode", "disabled",
     )  # fmt: skip
     assert_costs(costs, syncs=0)
+
+
+def test_a_rewind_past_max_rewinds_ends_the_run_with_one_line():
+    guard, control = SpikeGuard(), RunControl()
+    control.skip_ranges += [SkipRange(i, i, "spike_guard") for i in (1, 2, 3)]
+    with pytest.raises(PluginError, match=r"after 3 rewinds already \(spike_guard.max_rewinds\)"):
+        guard._rewind(12, 11, 11, 10, "spike", control)
+    assert control.requested_rewind is None
+    control.skip_ranges.pop()
+    guard._rewind(12, 11, 11, 10, "spike", control)
+    assert control.requested_rewind is not None
+    assert (control.requested_rewind.to_step, control.requested_rewind.through_batch) == (-90, 11)
