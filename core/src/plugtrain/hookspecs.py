@@ -39,17 +39,18 @@ wait for the device and stalls the step. Keep step hooks to device work; veto wi
 tensor (``pre_step``), report with tensors (``step_metrics``, read on logging steps only).
 ``metrics.trace_hooks`` counts each plugin's syncs and collectives per hook.
 
-Run control: a plugin that decides, on the host, that the run must skip data or go back to a
-checkpoint asks through ``ctx.control`` (:class:`plugtrain.plugin.RunControl`, also on the
-``SetupContext``): ``skip_batches(first, last, ...)`` skips a range of global batch numbers
-(``ctx.batch`` is this step's), and ``rewind(step, to_step, through_batch, ...)`` reloads the
+Run control: a plugin that decides, on the host, that the run must skip data, go back to a
+checkpoint or stop asks through ``ctx.control`` (:class:`plugtrain.plugin.RunControl`, also on
+the ``SetupContext``): ``skip_batches(first, last, ...)`` skips a range of global batch numbers
+(``ctx.batch`` is this step's); ``rewind(step, to_step, through_batch, ...)`` reloads the
 latest checkpoint at ``to_step`` or earlier and skips the batches from there through
-``through_batch``. Requests take effect after the step that makes them, after its checkpoint;
-skipped ranges are kept in ``<job.dump_folder>/data_skips.json`` and in every checkpoint, and
-survive restarts and rewinds. Every rank must make the same requests at the same step, so decide
-them from global values read on the host where a read is already paid for (``step_metrics``, on
-logging steps), never with a per-step read: the latency is then up to ``metrics.log_freq`` steps.
-A plugin that must end the run raises a one-line :class:`plugtrain.plugin.PluginError`.
+``through_batch``; ``stop(...)`` ends the run cleanly, as a SIGTERM does. Requests take effect
+after the step that makes them, after its checkpoint; skipped ranges are kept in
+``<job.dump_folder>/data_skips.json`` and in every checkpoint, and survive restarts and
+rewinds. Every rank must make the same requests at the same step, so decide them from global
+values read on the host where a read is already paid for (``step_metrics``, on logging steps),
+never with a per-step read: the latency is then up to ``metrics.log_freq`` steps. A plugin that
+must end the run with an error raises a one-line :class:`plugtrain.plugin.PluginError`.
 
 Every hook is called with keyword arguments; an implementation may accept any subset of the
 arguments its spec names (pluggy checks this at registration) and must not ask for others.

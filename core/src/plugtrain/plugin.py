@@ -293,7 +293,7 @@ class Rewind:
 
 
 class RunControl:
-    """Requests that a plugin makes of the run, decided on the host: skip data, rewind.
+    """Requests that a plugin makes of the run, decided on the host: skip data, rewind, stop.
 
     Both take effect at the end of the step that asks (after its checkpoint, if one is due),
     identically on every rank: a plugin must decide them from values that are the same on
@@ -312,6 +312,8 @@ class RunControl:
         """The rewinds done by this process, in order, as done."""
         self.requested_skips: list[SkipRange] = []
         self.requested_rewind: Rewind | None = None
+        self.requested_stop: str | None = None
+        """Why a plugin asked the run to stop after this step (None: it did not)."""
 
     def skip_batches(self, first: int, last: int, source: str, reason: str) -> None:
         """Skip global batches ``first`` .. ``last`` (those not drawn yet) from the next step on.
@@ -322,6 +324,13 @@ class RunControl:
         if not 1 <= first <= last:
             raise PluginError(f"plugin '{source}': skip_batches({first}, {last}) is no range")
         self.requested_skips.append(SkipRange(first, last, source, reason))
+
+    def stop(self, source: str, reason: str) -> None:
+        """End the run cleanly after this step, as a SIGTERM does: a checkpoint is saved (when
+        checkpointing is on) and the run exits 0; the same command resumes it. A plugin that
+        must end the run with an error raises :class:`PluginError` instead."""
+        if self.requested_stop is None:
+            self.requested_stop = f"the request of plugin '{source}': {reason}"
 
     def rewind(self, step: int, to_step: int, through_batch: int, source: str, reason: str) -> None:
         """After this ``step``, go back to the latest checkpoint at ``to_step`` or earlier and

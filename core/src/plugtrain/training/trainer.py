@@ -338,21 +338,22 @@ class Trainer:
                 self._log_step(loss, ctx, lr)
             if self.val_data is not None and self._due(cfg.validation.interval, self.step):
                 self.metrics.log({"step": self.step, "validation_loss": self.validate()})
-            stop = self.stop.vote()
+            signal = self.stop.vote()
+            stop = signal.name if signal is not None else self.control.requested_stop
             self.checkpointer.after_step(self.step, stop is not None)
             self.requests.after_step()
             if stop is not None:
-                self._log_stop(stop.name)
+                self._log_stop(stop)
                 break
 
-    def _log_stop(self, signal_name: str) -> None:
+    def _log_stop(self, cause: str) -> None:
         if self.step == self.config.training.steps:
             return  # the run is complete anyway
         if self.config.checkpoint.enable:
             then = "run the same command to resume"
         else:
             then = "checkpoint.enable is off, so nothing was saved and a rerun starts afresh"
-        logger.info("stopped after step %d on %s; %s", self.step, signal_name, then)
+        logger.info("stopped after step %d on %s; %s", self.step, cause, then)
 
     def _due(self, every: int, step: int) -> bool:
         return step % every == 0 or step == self.config.training.steps
