@@ -80,9 +80,9 @@ def test_a_spike_is_skipped_as_a_step_vetoed_by_hand(tmp_path):
         tmp_path / "guarded",
         *DETECT, "--spike_guard.max_consecutive", "0",
         plugins=[("poison", PoisonBatches({6}))],
-        steps=8,
+        steps=7,
     )  # fmt: skip
-    by_hand = tiny_run(tmp_path / "by_hand", plugins=[("veto", VetoSteps({6}))], steps=8)
+    by_hand = tiny_run(tmp_path / "by_hand", plugins=[("veto", VetoSteps({6}))], steps=7)
     assert guarded.skipped_steps == [6]
     assert [(e["event"], e["step"], e["cause"]) for e in events(guarded.dump_folder)] == [
         ("skip", 6, "spike")
@@ -104,7 +104,7 @@ REWIND = (
     "--checkpoint.enable", "true", "--checkpoint.interval", "2",
     "--checkpoint.async_mode", "disabled",
 )  # fmt: skip
-STEPS = 10
+STEPS = 8
 
 
 def rewinding_run(folder: str, marker: str | None = None) -> object:
