@@ -10,7 +10,7 @@ import pytest
 
 from plugtrain import hookspecs
 from plugtrain.host.plugin_host import PluginHost
-from plugtrain.testing import HookLog, interrupted_and_resumed
+from plugtrain.testing import SAMPLE, HookLog, interrupted_and_resumed
 
 HOOKS = PluginHost.hook_names()
 HOW_OFTEN = re.compile(r"\b(once|per step|every|each)\b")
@@ -20,9 +20,10 @@ HOW_OFTEN = re.compile(r"\b(once|per step|every|each)\b")
 def test_the_contract_declares_the_hooks_the_trainer_fires():
     # A hook added to hookspecs.py must be added here (and to the run below) on purpose.
     assert HOOKS == [
-        "config_section", "wrap_model", "compile_model", "setup", "pre_backward",
-        "unscale_gradients", "observe_gradients", "post_backward", "pre_step", "post_step",
-        "step_metrics", "state_dict", "load_state_dict",
+        "config_section", "wrap_model", "compile_model", "setup", "loss_terms",
+        "pre_backward", "unscale_gradients", "observe_gradients", "post_backward", "pre_step",
+        "post_step", "step_metrics", "validation_weights", "pre_validation", "post_validation",
+        "state_dict", "load_state_dict", "checkpoint_saved", "checkpoint_loaded",
     ]  # fmt: skip
 
 
@@ -43,8 +44,16 @@ def test_every_hook_fires_in_a_stopped_and_resumed_run(tmp_path, monkeypatch):
         logs.append(HookLog())
         return [("hook_log", logs[-1])]
 
+    validation = ("--validation.interval", "4", "--validation.steps", "1",
+                  "--data.validation_path", str(SAMPLE / "validation.jsonl"))  # fmt: skip
     result = interrupted_and_resumed(
-        tmp_path, "--plugins.enabled", "grad_clip", steps=4, stop_after=2, plugins=plugins
+        tmp_path,
+        "--plugins.enabled",
+        "grad_clip",
+        *validation,
+        steps=4,
+        stop_after=2,
+        plugins=plugins,
     )
     assert result["resumed"] == result["straight"]
     resumed = logs[-1]  # the third run: resumed from the stopped one's checkpoint
@@ -52,8 +61,9 @@ def test_every_hook_fires_in_a_stopped_and_resumed_run(tmp_path, monkeypatch):
     assert sorted(fired, key=HOOKS.index) == HOOKS
     # The model hooks fire before setup; on resume, state_dict gives the structure the
     # checkpoint's values are loaded into.
-    assert [hook for hook, _, _ in resumed.calls[:5]] == [
-        "wrap_model", "compile_model", "setup", "state_dict", "load_state_dict"
+    assert [hook for hook, _, _ in resumed.calls[:6]] == [
+        "wrap_model", "compile_model", "setup", "state_dict", "load_state_dict",
+        "checkpoint_loaded",
     ]  # fmt: skip
     assert ("pre_backward", 3, 0) in resumed.calls and ("pre_backward", 2, 0) not in resumed.calls
 

@@ -19,6 +19,7 @@ from plugtrain.testing import (
 )
 
 STEP_HOOKS = [
+    "loss_terms",
     "pre_backward",
     "unscale_gradients",
     "observe_gradients",

@@ -11,7 +11,7 @@ it with :data:`plugtrain.plugin.hookimpl`. Building the run fires, once, in this
 
 A training step fires, in this order::
 
-    for each microbatch:  forward -> pre_backward -> loss.backward()
+    for each microbatch:  forward -> loss_terms -> pre_backward -> loss.backward()
     unscale_gradients        # gradient phase 1, make true: a loss scaler unscales
     observe_gradients        # gradient phase 2, observe: read-only (statistics, norms, spikes)
     post_backward            # gradient phase 3, modify: clipping and other gradient transforms
@@ -19,6 +19,10 @@ A training step fires, in this order::
     optimizer.step(); LR schedule advances   # unless vetoed (applied on the device)
     post_step                # with the step's skip flag, a 0-d bool tensor
     step_metrics             # on logging steps only
+
+Outside the step: ``validation_weights``, then ``pre_validation`` -> evaluate ->
+``post_validation`` once per weight set, when validation is due; ``checkpoint_saved`` once a
+checkpoint is complete and ``checkpoint_loaded`` once a run has resumed from one.
 
 Ordering rules:
 
@@ -65,9 +69,19 @@ import pluggy
 from plugtrain.plugin import PROJECT_NAME
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from pathlib import Path
+
     import torch
 
-    from plugtrain.plugin import Metrics, ModelContext, SetupContext, StepContext
+    from plugtrain.plugin import (
+        LossContext,
+        Metrics,
+        ModelContext,
+        SetupContext,
+        StepContext,
+        ValidationContext,
+    )
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
@@ -122,6 +136,22 @@ def setup(ctx: SetupContext) -> None:
     Read the resolved dtypes (``ctx.param_dtype``) and your config (``ctx.plugin_config(self)``)
     here and allocate what you need. A plugin with nothing to do in this run calls
     ``ctx.deactivate(self, reason)``: it is then unregistered and costs nothing.
+    """
+
+
+@hookspec
+def loss_terms(ctx: LossContext) -> Mapping[str, torch.Tensor] | None:
+    """Return named terms to add to the loss, ``{"z_loss": value}``, for one microbatch.
+
+    Fires once per microbatch, after the forward and before ``pre_backward``, and only in runs
+    where a plugin implements it (otherwise the loss is computed exactly as without it). The
+    plugin sees ``ctx.logits``, ``ctx.targets`` and ``ctx.lse`` (the log-sum-exp of the logits,
+    computed once for all plugins), not the model. Each value is a 0-d tensor in the autograd
+    graph, a mean over the microbatch's tokens like the cross-entropy: the trainer divides it by
+    the number of microbatches and adds it to the loss that ``pre_backward`` sees, so a loss
+    scaler scales the total. The terms are added in the order of their names, whatever the
+    plugins' order. Each is logged on logging steps as ``<plugin name>/<key>``, averaged over
+    microbatches and ranks like the loss; ``loss`` itself stays the cross-entropy.
     """
 
 
@@ -208,6 +238,39 @@ def step_metrics(ctx: StepContext) -> Metrics | None:
 
 
 @hookspec
+def validation_weights() -> Sequence[str] | None:
+    """Return the names of weight sets this plugin can swap in for an extra validation pass.
+
+    Fires once each time validation is due (every ``validation.interval`` steps and at the
+    end). After the pass on the model's own weights (logged as ``validation_loss``) the trainer
+    runs one pass per name, logged as ``<name>/validation_loss``; use your plugin's name
+    (``ctx.name_of(self)`` in ``setup``). The plugin swaps the weights in ``pre_validation`` and
+    back in ``post_validation`` when ``ctx.weights`` is its name.
+    """
+
+
+@hookspec
+def pre_validation(ctx: ValidationContext) -> None:
+    """Fires before each validation pass, once per weight set each time validation is due.
+
+    ``ctx.weights`` is None for the model's own weights, else the name of the set a plugin
+    offered in ``validation_weights``; that plugin copies its weights into the model's
+    parameter shards here (in place, under ``torch.no_grad``). The model's parameters are
+    resharded between passes, so the pass evaluates exactly the shards as they are now.
+    """
+
+
+@hookspec
+def post_validation(ctx: ValidationContext) -> None:
+    """Fires after each validation pass, once per weight set each time validation is due.
+
+    ``ctx.loss`` is the pass's loss (a float, the mean over batches and ranks). The plugin that
+    swapped its weights in ``pre_validation`` puts the model's own back here: training
+    continues from the parameters as this hook leaves them.
+    """
+
+
+@hookspec
 def state_dict() -> dict[str, Any] | None:
     """Return the plugin's state for a checkpoint, or None if it has none.
 
@@ -227,4 +290,27 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
     Fires at most once per run, after ``setup``, only if the checkpoint holds state for this
     plugin; a plugin whose state is absent (the checkpoint was made without it, or while it was
     deactivated) keeps the state ``setup`` gave it.
+    """
+
+
+@hookspec
+def checkpoint_saved(folder: Path, step: int) -> None:
+    """Fires once per checkpoint, on every rank, once checkpoint ``folder`` of ``step`` is complete.
+
+    The folder (``<dump_folder>/checkpoints/step-<N>``) is committed and visible to every rank
+    when this fires: a plugin may read it or write beside its files (an export), with
+    collectives, since every rank calls it at the same point. With ``checkpoint.async_mode
+    async`` the write finishes in the background and the hook fires when the trainer next waits
+    for it: before the next save begins, or at the end of the run; the training state may have
+    moved on since ``step``, so read what belongs to ``step`` from the folder.
+    """
+
+
+@hookspec
+def checkpoint_loaded(folder: Path, step: int) -> None:
+    """Fires once per run that resumes, on every rank, after checkpoint ``folder`` is loaded.
+
+    The model, optimizer, the core's state and every plugin's ``load_state_dict`` have been
+    restored from ``folder`` (of ``step``). A plugin whose state the checkpoint did not hold
+    (its ``load_state_dict`` did not fire) can derive it from the loaded model here.
     """

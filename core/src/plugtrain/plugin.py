@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PROJECT_NAME",
     "ConfigError",
+    "LossContext",
     "ModelContext",
     "PluginError",
     "Rewind",
@@ -34,6 +36,7 @@ __all__ = [
     "SetupContext",
     "SkipRange",
     "StepContext",
+    "ValidationContext",
     "check_field",
     "full_tensor",
     "gradients",
@@ -218,6 +221,44 @@ class StepContext:
     def gradients(self) -> list[torch.Tensor]:
         """The gradients of this rank's parameters that have one (see :func:`gradients`)."""
         return [p.grad for p in self.params if p.grad is not None]
+
+
+@dataclass(eq=False)
+class LossContext:
+    """What ``loss_terms`` receives: one microbatch's output and targets (not the model)."""
+
+    step: int
+    """The optimizer step being computed, 1-based."""
+    microbatch: int
+    """Index of the microbatch, ``0 .. num_microbatches - 1``."""
+    num_microbatches: int
+    logits: torch.Tensor
+    """The model's output, ``(batch, seq_len, vocab)`` in the compute dtype, in the autograd
+    graph: a term computed from it is backpropagated."""
+    targets: torch.Tensor
+    """The next-token ids, ``(batch, seq_len)``."""
+
+    @cached_property
+    def lse(self) -> torch.Tensor:
+        """The log-sum-exp of the logits over the vocabulary, ``(batch, seq_len)``, in fp32.
+
+        Computed on first use and shared by every plugin of the microbatch. The cross-entropy
+        does not reuse it: rebuilding it from this would change the main loss's rounding.
+        """
+        return torch.logsumexp(self.logits.float(), dim=-1)
+
+
+@dataclass(eq=False)
+class ValidationContext:
+    """What ``pre_validation`` and ``post_validation`` receive: one validation pass."""
+
+    step: int
+    """Optimizer steps completed when the validation runs."""
+    weights: str | None = None
+    """The weight set this pass evaluates: None for the model's own weights, else a name a
+    plugin offered in ``validation_weights`` (that plugin swaps its weights in)."""
+    loss: float | None = None
+    """In ``post_validation``: the pass's mean loss, over the validation batches and ranks."""
 
 
 def gradients(model: nn.Module) -> list[torch.Tensor]:

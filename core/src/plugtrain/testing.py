@@ -65,9 +65,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from plugtrain.plugin import (
+    LossContext,
     ModelContext,
     SetupContext,
     StepContext,
+    ValidationContext,
     gradients,
     hookimpl,
     local_tensor,
@@ -186,9 +188,10 @@ class HookLog:
     Every hook but ``config_section`` (which fires before any plugin object is registered) is
     implemented. The hooks pluggy fires are ``wrapper=True`` implementations that record
     ``(hook, step, microbatch)`` and yield, so they see the call before any plain
-    implementation. The hooks the trainer calls plugin by plugin (``step_metrics``,
-    ``state_dict``, ``load_state_dict``) are plain ones; ``state_dict`` saves a constant, so
-    that a resumed run fires ``load_state_dict``. Step and microbatch are None for hooks with no
+    implementation. The hooks the trainer calls plugin by plugin (``loss_terms``,
+    ``step_metrics``, ``validation_weights``, ``state_dict``, ``load_state_dict``) are plain
+    ones that add nothing; ``state_dict`` saves a constant, so that a resumed run fires
+    ``load_state_dict``. Step and microbatch are None for hooks with no
     step. Each step's skip flag is kept and read only when asked (:meth:`skipped_steps`): a
     run with the log makes no extra host sync.
     """
@@ -222,6 +225,10 @@ class HookLog:
     def setup(self, ctx: SetupContext) -> Iterator[None]:
         self._log("setup")
         return (yield)
+
+    @hookimpl
+    def loss_terms(self, ctx: LossContext) -> None:
+        self._log("loss_terms", ctx)
 
     @hookimpl(wrapper=True)
     def pre_backward(self, ctx: StepContext) -> Iterator[None]:
@@ -259,6 +266,20 @@ class HookLog:
         self._log("step_metrics", ctx)
 
     @hookimpl
+    def validation_weights(self) -> None:
+        self._log("validation_weights")
+
+    @hookimpl(wrapper=True)
+    def pre_validation(self, ctx: ValidationContext) -> Iterator[None]:
+        self._log("pre_validation", ctx)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def post_validation(self, ctx: ValidationContext) -> Iterator[None]:
+        self._log("post_validation", ctx)
+        return (yield)
+
+    @hookimpl
     def state_dict(self) -> dict[str, Any]:
         self._log("state_dict")
         return {"saved": 1}
@@ -266,6 +287,16 @@ class HookLog:
     @hookimpl
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._log("load_state_dict")
+
+    @hookimpl(wrapper=True)
+    def checkpoint_saved(self, step: int) -> Iterator[None]:
+        self.calls.append(("checkpoint_saved", step, None))
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def checkpoint_loaded(self, step: int) -> Iterator[None]:
+        self.calls.append(("checkpoint_loaded", step, None))
+        return (yield)
 
 
 @dataclass

@@ -202,6 +202,8 @@ class CheckpointManager:
         self.states = dict(states)
         self.host = host
         self._pending: Future[None] | None = None
+        self._pending_save: tuple[Path, int] | None = None
+        """The folder and step of the save in flight, for ``checkpoint_saved``."""
         self._executor: ThreadPoolExecutor | None = None
         self._control_group: dist.ProcessGroup | None = None
         self._async_group: dist.ProcessGroup | None = None
@@ -265,6 +267,7 @@ class CheckpointManager:
             except (Exception, dcp.CheckpointException) as e:
                 raise self._save_failed(final, partial, e) from e
             self._commit(step, partial, final, start, self._control_group)
+            self.host.hook.checkpoint_saved(folder=final, step=step)
             return
         try:
             with _interruptible():
@@ -281,6 +284,7 @@ class CheckpointManager:
         self._pending = self._executor.submit(
             self._commit_when_written, upload, step, partial, final, start
         )
+        self._pending_save = (final, step)
 
     def _commit_when_written(
         self, upload: Future, step: int, partial: Path, final: Path, start: float
@@ -355,10 +359,13 @@ class CheckpointManager:
             )
 
     def wait(self) -> None:
-        """Block until an async save in flight is written and committed (re-raising its error)."""
+        """Block until an async save in flight is written and committed (re-raising its error),
+        then fire ``checkpoint_saved`` for it: here, on the main thread of every rank."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        saved, self._pending_save = self._pending_save, None
+        if pending is not None and saved is not None:
             pending.result()
+            self.host.hook.checkpoint_saved(folder=saved[0], step=saved[1])
 
     def close(self) -> None:
         """Finish any save in flight (collective)."""
@@ -370,7 +377,7 @@ class CheckpointManager:
     def abort(self) -> None:
         """After an error: abandon a save in flight without waiting for it (its collectives
         may wait for a rank that failed); it stays ``.partial``, never loaded (idempotent)."""
-        self._pending = None
+        self._pending = self._pending_save = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -557,6 +564,7 @@ class CheckpointManager:
             self.host.call_one(name, "load_state_dict", state_dict=plugin_state)
         train, saved_world = state["train"], state["world"]["size"]
         self.resumed_from = {"path": str(path), "step": train["step"]}
+        self.host.hook.checkpoint_loaded(folder=path, step=train["step"])
         if self.world.is_main:
             ignored = sorted(in_checkpoint - loaders)
             if ignored:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from plugtrain.model.transformer import ModelArgs, Transformer
 
@@ -44,6 +44,14 @@ def shard_model(
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return policy
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every unsharded parameter FSDP2 still holds, so that the next forward all-gathers
+    the shards as they are then (a no-op for modules already resharded)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def build_model(

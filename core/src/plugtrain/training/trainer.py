@@ -31,14 +31,21 @@ from plugtrain.data.skips import SkippingLoader
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.distributed import World, all_reduce_mean, init_world
 from plugtrain.host.plugin_host import PluginHost
-from plugtrain.model.sharding import DTYPES, build_model
+from plugtrain.model.sharding import DTYPES, build_model, reshard
 from plugtrain.model.transformer import FLAVORS, Transformer
 from plugtrain.observability.logs import setup_logging
 from plugtrain.observability.metrics import MetricsLogger, to_number, write_run_records
 from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflops, throughput
 from plugtrain.observability.trace import HookTracer, tracing_requested
-from plugtrain.plugin import ModelContext, RunControl, SetupContext, StepContext
+from plugtrain.plugin import (
+    ModelContext,
+    RunControl,
+    SetupContext,
+    StepContext,
+    ValidationContext,
+)
 from plugtrain.training.dump_folder import lock_dump_folder
+from plugtrain.training.loss_terms import LossTerms
 from plugtrain.training.optim import LRSchedule, build_optimizer, lr_factor
 from plugtrain.training.requests import RunRequests
 from plugtrain.training.stop import StopSignals
@@ -247,6 +254,7 @@ class Trainer:
         )
         self.host.setup(ctx)
         self.loss_scaler = ctx.loss_scaler
+        self.loss_terms = LossTerms.of(self.host)
         if self.param_dtype == torch.float16 and ctx.loss_scaler is None and self.world.is_main:
             warnings.warn(
                 "training.mixed_precision_param is float16 but no enabled plugin scales the "
@@ -286,8 +294,8 @@ class Trainer:
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
         for ctx.microbatch, (inputs, targets) in enumerate(batch):
-            ctx.loss = cross_entropy(self.model(inputs), targets) / len(batch)
-            loss_sum += ctx.loss.detach()
+            cross_entropy_part, ctx.loss = self._microbatch_loss(ctx, inputs, targets)
+            loss_sum += cross_entropy_part
             lap("fwd_bwd")
             self.hook.pre_backward(ctx=ctx)
             lap("hooks")
@@ -310,6 +318,17 @@ class Trainer:
         self.step = ctx.step
         self.tokens_seen += self.config.training.batch_size * self.config.training.seq_len
         return loss_sum, ctx
+
+    def _microbatch_loss(
+        self, ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A microbatch's cross-entropy over the number of microbatches (detached, logged as
+        the loss), and the loss backward runs on: that plus the plugins' loss terms, if any."""
+        logits = self.model(inputs)  # freed on return, as before backward without loss terms
+        loss = cross_entropy(logits, targets) / ctx.num_microbatches
+        if self.loss_terms is None:
+            return loss.detach(), loss
+        return loss.detach(), self.loss_terms.added_to(loss, ctx, logits, targets)
 
     def train(self) -> None:
         """Train until ``training.steps``, logging and validating on schedule."""
@@ -337,7 +356,7 @@ class Trainer:
             if lr is not None:
                 self._log_step(loss, ctx, lr)
             if self.val_data is not None and self._due(cfg.validation.interval, self.step):
-                self.metrics.log({"step": self.step, "validation_loss": self.validate()})
+                self.metrics.log({"step": self.step, **self.validate()})
             signal = self.stop.vote()
             stop = signal.name if signal is not None else self.control.requested_stop
             self.checkpointer.after_step(self.step, stop is not None)
@@ -365,6 +384,8 @@ class Trainer:
         record = {"step": self.step, "loss": to_number(global_loss), "lr": to_number(lr)}
         for plugin, metrics in self.host.call_each("step_metrics", ctx=ctx).items():
             record.update({f"{plugin}/{k}": to_number(v) for k, v in metrics.items()})
+        if self.loss_terms is not None:
+            record.update(self.loss_terms.metrics(self.world.world_size))
         train_cfg = self.config.training
         record.update(
             throughput(
@@ -383,8 +404,23 @@ class Trainer:
             record.update(self.train_data.shares())
         self.metrics.log(record)
 
+    def validate(self) -> dict[str, float]:
+        """The validation losses: ``validation_loss`` on the model's weights, then
+        ``<name>/validation_loss`` for each weight set a plugin offers (``validation_weights``),
+        each pass between ``pre_validation`` and ``post_validation``."""
+        offered = self.host.call_each("validation_weights").values()
+        losses = {}
+        for weights in [None, *(name for names in offered for name in names)]:
+            ctx = ValidationContext(self.step, weights)
+            self.hook.pre_validation(ctx=ctx)
+            ctx.loss = self._validation_loss()
+            self.hook.post_validation(ctx=ctx)
+            key = "validation_loss" if weights is None else f"{weights}/validation_loss"
+            losses[key] = ctx.loss
+        return losses
+
     @torch.no_grad()
-    def validate(self) -> float:
+    def _validation_loss(self) -> float:
         """Mean validation loss over ``validation.steps`` batches, averaged over ranks."""
         assert self.val_data is not None
         self.model.eval()
@@ -399,6 +435,9 @@ class Trainer:
             total[0] += cross_entropy(self.model(inputs.to(self.device)), targets.to(self.device))
             total[1] += 1
         self.model.train()
+        # FSDP2 keeps the root's and last block's parameters unsharded after a forward without
+        # backward: the next pass would reuse them, missing weights a plugin swapped in.
+        reshard(self.model)
         all_reduce_mean(total, self.world.world_size)
         return (total[0] / total[1]).item()
 

@@ -1,0 +1,62 @@
+"""The plugins' loss terms: added to each microbatch's loss before backward, and logged.
+
+Built only when a plugin implements ``loss_terms``: a run without one computes its loss
+exactly as before and pays nothing for this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plugtrain.distributed import all_reduce_mean
+from plugtrain.errors import PluginError
+from plugtrain.host.plugin_host import PluginHost
+from plugtrain.plugin import LossContext, StepContext
+
+
+class LossTerms:
+    """Adds the ``loss_terms`` hook's terms to the loss and keeps their step means for logging."""
+
+    def __init__(self, host: PluginHost) -> None:
+        self.host = host
+        self.sums: dict[str, torch.Tensor] = {}
+        """Each term of the current step, ``<plugin>/<key>``, summed over its microbatches
+        (each divided by their number, as the loss is): the step's mean on this rank."""
+
+    @classmethod
+    def of(cls, host: PluginHost) -> LossTerms | None:
+        """The loss terms of a run whose plugins are set up; None if no plugin adds any."""
+        return cls(host) if host.implementers("loss_terms") else None
+
+    def added_to(
+        self, loss: torch.Tensor, ctx: StepContext, logits: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """``loss`` (a microbatch's, divided by the number of microbatches) plus the terms of
+        the plugins, each divided likewise and added in the order of their names."""
+        if ctx.microbatch == 0:
+            self.sums = {}
+        loss_ctx = LossContext(ctx.step, ctx.microbatch, ctx.num_microbatches, logits, targets)
+        terms = {}
+        for plugin, named in self.host.call_each("loss_terms", ctx=loss_ctx).items():
+            for key, value in named.items():
+                if not isinstance(value, torch.Tensor) or value.ndim != 0:
+                    raise PluginError(
+                        f"plugin '{plugin}': loss_terms returned {key!r} = {type(value).__name__}"
+                        f"{'' if not isinstance(value, torch.Tensor) else tuple(value.shape)}, "
+                        "not a 0-d tensor: return the term's mean over the tokens"
+                    )
+                terms[f"{plugin}/{key}"] = value / ctx.num_microbatches
+        for name in sorted(terms):
+            term = terms[name]
+            loss = loss + term
+            done = term.detach()
+            self.sums[name] = self.sums[name] + done if name in self.sums else done
+        return loss
+
+    def metrics(self, world_size: int) -> dict[str, float]:
+        """The current step's terms, averaged over ranks (a collective, on logging steps)."""
+        if not self.sums:
+            return {}
+        names = sorted(self.sums)
+        values = all_reduce_mean(torch.stack([self.sums[n].float() for n in names]), world_size)
+        return dict(zip(names, values.tolist(), strict=True))
