@@ -152,16 +152,17 @@ def make_trainer(dump_folder: str | Path, *args: str, steps: int = 3, plugins: P
     registered in exactly their order, after the enabled plugins they do not name. A pair
     ``(name, None)`` moves the enabled plugin ``name`` to its position, so a test controls the
     whole registration order: ``[("inject", InjectInf(...)), ("grad_scaler", None)]`` puts the
-    injector before the scaler. (pluggy calls later registrations first within a hook.)
+    injector before the scaler. (pluggy calls later registrations first within a hook.) A
+    pair naming an enabled plugin with an object replaces the instance the run loaded.
     """
     from plugtrain.training.launch import configure
     from plugtrain.training.trainer import Trainer
 
     config, host = configure(tiny_args(dump_folder, *args, steps=steps))
     resolved = [(name, host.get(name) if obj is None else obj) for name, obj in plugins]
-    for name, obj in resolved:
-        if name in host.names():
-            host.unregister(obj)
+    for name, _ in resolved:
+        if name in host.names():  # an enabled plugin: moved, or replaced by the object given
+            host.unregister(host.get(name))
     for name, obj in resolved:
         host.register(obj, name)
     return Trainer(config, host)
