@@ -1,0 +1,54 @@
+"""PaLM's z-loss, ``weight * logsumexp(logits)^2`` averaged over tokens, as a plugtrain plugin.
+
+The auxiliary loss keeps the softmax normaliser ``log Z = logsumexp(logits)`` near zero, which
+keeps the logits from drifting and large-scale bf16 training stable (PaLM, OLMo, MaxText use
+``weight = 1e-4``). It is a loss term (the ``loss_terms`` hook): the trainer adds it to each
+microbatch's loss before ``pre_backward``, so a loss scaler scales it with the rest, and logs
+it as ``<plugin name>/z_loss``, averaged over microbatches and ranks like the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from plugtrain.plugin import LossContext, SetupContext, check_field, hookimpl
+
+__all__ = ["ZLoss", "ZLossConfig"]
+
+
+@dataclass
+class ZLossConfig:
+    """The ``[z_loss]`` config section."""
+
+    weight: float = 1e-4
+    """The z-loss's factor: the term is ``weight * mean over tokens of logsumexp(logits)^2``."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            0 < self.weight < math.inf,
+            "weight",
+            f"must be finite and > 0, got {self.weight} (to train without z-loss, remove "
+            "the plugin from plugins.enabled)",
+        )
+
+
+class ZLoss:
+    """Adds ``weight * mean(logsumexp(logits)^2)`` to the loss, for every microbatch."""
+
+    def __init__(self) -> None:
+        self.config = ZLossConfig()
+
+    @hookimpl
+    def config_section(self) -> type:
+        return ZLossConfig
+
+    @hookimpl
+    def setup(self, ctx: SetupContext) -> None:
+        self.config = ctx.plugin_config(self)
+
+    @hookimpl
+    def loss_terms(self, ctx: LossContext) -> dict[str, torch.Tensor]:
+        return {"z_loss": self.config.weight * ctx.lse.square().mean()}
