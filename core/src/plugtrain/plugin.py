@@ -52,6 +52,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 """Marks a plugin's hook implementation: ``@hookimpl`` or ``@hookimpl(tryfirst=True)``."""
 
 
+def _sole_holder(holder: str | None, name: str, doing: str) -> str:
+    """``name``, as the one plugin that does what ``doing`` says this run; a second is refused."""
+    if holder is not None:
+        raise PluginError(f"plugins '{holder}' and '{name}' both {doing}: enable only one of them")
+    return name
+
+
 @dataclass(eq=False)
 class ModelContext:
     """What the model hooks (``wrap_model``, ``compile_model``) receive: the model before sharding.
@@ -90,13 +97,7 @@ class ModelContext:
         Two compilers do not commute (each would compile the other's output, or replace it):
         the second to declare itself is refused, naming both.
         """
-        name = self.name_of(plugin)
-        if self.compiler is not None:
-            raise PluginError(
-                f"plugins '{self.compiler}' and '{name}' both compile the model: "
-                "enable only one of them"
-            )
-        self.compiler = name
+        self.compiler = _sole_holder(self.compiler, self.name_of(plugin), "compile the model")
 
 
 def wrap_forward(module: nn.Module, wrapper: Callable[[Callable[..., Any]], Any]) -> None:
@@ -166,13 +167,7 @@ class SetupContext:
         would scale the loss and unscale the gradients on top of the other. Step hooks see the
         result as :attr:`StepContext.loss_scaler`.
         """
-        name = self.name_of(plugin)
-        if self.loss_scaler is not None:
-            raise PluginError(
-                f"plugins '{self.loss_scaler}' and '{name}' both scale the loss: "
-                "enable only one of them"
-            )
-        self.loss_scaler = name
+        self.loss_scaler = _sole_holder(self.loss_scaler, self.name_of(plugin), "scale the loss")
 
 
 @dataclass(eq=False, slots=True)
