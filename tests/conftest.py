@@ -30,6 +30,12 @@ def _load_scripts() -> None:
 _load_scripts()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _data_cache(plugtrain_cache: Path) -> None:
+    """Every test, a training script or CLI it runs included, prepares data into the
+    session's cache, never the user's."""
+
+
 @pytest.fixture
 def repo() -> Path:
     """The repository's root folder."""

@@ -19,8 +19,8 @@ PLUGIN_API = {"plugtrain.plugin", "plugtrain.testing"}
 """The only core modules a plugin (or the plugin template) may import."""
 TRAINER = "plugtrain.training.trainer"
 """The composition root: only entry points (train.py, the CLI) may import it."""
-TRAINER_IMPORTERS = ["plugtrain.testing"]
-"""The core modules that may: the test kit, an entry point for tests that builds runs."""
+TRAINER_IMPORTERS = ["plugtrain.testing.runs"]
+"""The core modules that may: the test kit's runs, an entry point for tests that builds runs."""
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -57,7 +57,7 @@ def test_every_hook_fires_in_a_stopped_and_resumed_run(tmp_path, monkeypatch):
     )
     assert result["resumed"] == result["straight"]
     resumed = logs[-1]  # the third run: resumed from the stopped one's checkpoint
-    fired = set(resumed.hooks()) | {hook for hook in asked if hook == "config_section"}
+    fired = set(resumed.hooks_fired()) | {hook for hook in asked if hook == "config_section"}
     assert sorted(fired, key=HOOKS.index) == HOOKS
     # The model hooks fire before setup; on resume, state_dict gives the structure the
     # checkpoint's values are loaded into.

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -182,3 +186,39 @@ def test_peak_memory_counts_the_tensors_alive_at_once():
         d = torch.ones(250)  # 1000, after 6000 were freed
     assert (memory.peak, memory.live) == (6000, 1000)
     del d
+
+
+PROBE = """
+import os, sys
+
+def pytest_collection_finish(session):
+    print("kit plugin loaded:", "plugtrain.testing.pytest_plugin" in sys.modules)
+    print("PLUGTRAIN_CACHE:", os.environ.get("PLUGTRAIN_CACHE"))
+"""
+
+
+def pytest_collect_only(tmp_path, *options: str) -> tuple[str, set[str]]:
+    """``python -X importtime -m pytest --co -q`` in an empty folder (with a probe plugin that
+    prints what the session did); its output, and the torch modules it imported."""
+    (tmp_path / "probe").mkdir(exist_ok=True)
+    (tmp_path / "probe" / "kit_probe.py").write_text(PROBE)
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PLUGTRAIN_CACHE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "probe"), *sys.path])
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pytest", "--co", "-q", "-p", "kit_probe",
+         *options],
+        cwd=tmp_path / "empty", env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 5, done.stdout + done.stderr  # 5: no tests collected
+    # -X importtime lists every module an import statement imports, one a line.
+    names = {line.split("|")[-1].strip() for line in done.stderr.splitlines()}
+    return done.stdout, {name for name in names if name.split(".")[0] == "torch"}
+
+
+def test_loading_the_pytest_plugin_imports_no_torch_and_sets_no_variable(tmp_path):
+    out, torch_modules = pytest_collect_only(tmp_path)
+    assert "kit plugin loaded: True" in out
+    assert "PLUGTRAIN_CACHE: None" in out
+    _, without_the_kit = pytest_collect_only(tmp_path, "-p", "no:plugtrain")
+    assert torch_modules - without_the_kit == set()

@@ -1,0 +1,125 @@
+"""The plugin author's test kit: tiny real runs, contexts, fault injection and cost checks.
+
+Installing plugtrain registers :mod:`plugtrain.testing.pytest_plugin` as a pytest plugin (the
+``pytest11`` entry point ``plugtrain``), so a plugin's own repository gets its fixtures with no
+``conftest.py``; loading it imports no torch. The functions are imported from this package as
+usual (``from plugtrain.testing import tiny_run``), which imports the module that holds each
+one when it is first asked for. A plugin's tests need nothing else from the core than
+:mod:`plugtrain.plugin` and this package; pytest comes with the ``testing`` extra.
+
+Runs (:mod:`~plugtrain.testing.runs`, :mod:`~plugtrain.testing.processes`):
+
+* :func:`tiny_run` trains the tiny model for a few steps on the shipped sample (1 or more
+  processes over gloo) with given plugins and config overrides, and returns a :class:`RunResult`:
+  per-step losses, the metrics records, each rank's parameter checksum, the hooks fired in
+  order and the skipped steps. The ``plugtrain_run`` fixture is the same, in ``tmp_path``.
+* :func:`make_trainer` builds the :class:`~plugtrain.training.trainer.Trainer` of such a run for
+  tests that drive it themselves; :func:`tiny_args` are its command-line arguments.
+* :func:`run_distributed` calls a function on N spawned ranks; :func:`run_script` runs a
+  training script as a user would (python, or torchrun for several processes).
+
+Unit tests of one hook (:mod:`~plugtrain.testing.contexts`): :func:`step_context`,
+:func:`setup_context` and :func:`model_context` build real contexts.
+
+Faults (:mod:`~plugtrain.testing.faults`): :class:`InjectInf` puts inf into the loss or one
+rank's gradients at given steps (:func:`poison` does it by hand); :class:`SigtermAt` stops a
+run with SIGTERM on one rank, and :func:`interrupted_and_resumed` checks that a stopped run
+resumes exactly.
+
+Checks (:mod:`~plugtrain.testing.checks`): :func:`count_costs` and :func:`assert_costs` (host
+syncs, collectives and time per non-logging step, of the whole step or of one plugin's hooks);
+:func:`check_order_independence` (the same parameters bitwise whatever the plugin's position
+among the enabled plugins); :class:`StepWatcher` and :class:`PeakMemory`.
+
+Plugin objects handed to a multi-process run are pickled into spawned processes: define their
+classes at module level. Functions handed to :func:`run_distributed` must be module level too,
+in any module, test files included (a module that is not importable by name, as pytest's
+``importlib`` mode leaves test files, is loaded from its file in each rank).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plugtrain.testing.checks import (
+        Costs,
+        PeakMemory,
+        StepWatcher,
+        assert_costs,
+        check_order_independence,
+        count_costs,
+    )
+    from plugtrain.testing.contexts import model_context, setup_context, step_context
+    from plugtrain.testing.faults import InjectInf, SigtermAt, interrupted_and_resumed, poison
+    from plugtrain.testing.processes import free_port, run_distributed, run_script
+    from plugtrain.testing.pytest_plugin import plugtrain_run
+    from plugtrain.testing.runs import (
+        SAMPLE,
+        HookLog,
+        RunResult,
+        make_trainer,
+        parameter_checksums,
+        read_metrics,
+        tiny_args,
+        tiny_run,
+    )
+
+_MODULE_OF = {
+    **dict.fromkeys(
+        ["SAMPLE", "HookLog", "RunResult", "make_trainer", "parameter_checksums",
+         "read_metrics", "tiny_args", "tiny_run"], "runs",
+    ),
+    **dict.fromkeys(["free_port", "run_distributed", "run_script"], "processes"),
+    **dict.fromkeys(["model_context", "setup_context", "step_context"], "contexts"),
+    **dict.fromkeys(["InjectInf", "SigtermAt", "interrupted_and_resumed", "poison"], "faults"),
+    **dict.fromkeys(
+        ["Costs", "PeakMemory", "StepWatcher", "assert_costs", "check_order_independence",
+         "count_costs"], "checks",
+    ),
+    "plugtrain_run": "pytest_plugin",
+}  # fmt: skip
+"""Each public name, and the module of this package that holds it."""
+
+__all__ = [
+    "SAMPLE",
+    "Costs",
+    "HookLog",
+    "InjectInf",
+    "PeakMemory",
+    "RunResult",
+    "SigtermAt",
+    "StepWatcher",
+    "assert_costs",
+    "check_order_independence",
+    "count_costs",
+    "free_port",
+    "interrupted_and_resumed",
+    "make_trainer",
+    "model_context",
+    "parameter_checksums",
+    "plugtrain_run",
+    "poison",
+    "read_metrics",
+    "run_distributed",
+    "run_script",
+    "setup_context",
+    "step_context",
+    "tiny_args",
+    "tiny_run",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name from its module on first use, so that importing the package (as
+    pytest does, to load the plugin) imports no torch."""
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

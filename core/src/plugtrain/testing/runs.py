@@ -1,0 +1,311 @@
+"""Tiny real runs: their arguments, the trainer, what they did (losses, hooks, checksums).
+
+The shipped sample (:data:`SAMPLE`) is the data; :func:`tiny_run` trains on 1 or more
+processes and returns a :class:`RunResult`; :func:`make_trainer` gives the
+:class:`~plugtrain.training.trainer.Trainer` itself. This is the one module of the kit that
+imports the trainer: like ``train.py``, it is an entry point that builds runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from plugtrain.plugin import (
+    LossContext,
+    ModelContext,
+    SetupContext,
+    StepContext,
+    ValidationContext,
+    hookimpl,
+    local_tensor,
+)
+from plugtrain.testing.processes import run_distributed
+from plugtrain.testing.session import session_cache
+
+if TYPE_CHECKING:
+    from plugtrain.training.trainer import Trainer
+
+Plugins = Sequence[tuple[str, object | None]]
+"""Plugins registered in this order: ``(name, plugin)``, or ``(name, None)`` to move the
+enabled plugin ``name`` to that position."""
+
+
+def _sample_folder() -> Path:
+    override = os.environ.get("PLUGTRAIN_SAMPLE")
+    if override:
+        return Path(override)
+    # The repository's data/ beside core/src/plugtrain/ (an editable install or a checkout).
+    return Path(__file__).resolve().parents[4] / "data" / "shakespeare"
+
+
+SAMPLE = _sample_folder()
+"""The shipped Shakespeare sample (``tokenizer.json``, ``validation.jsonl``); the environment
+variable ``PLUGTRAIN_SAMPLE`` names another folder holding the same two files."""
+
+
+def tiny_args(dump_folder: str | Path, *extra: str, steps: int = 3) -> list[str]:
+    """Arguments for a run of the tiny model that takes about a second, then ``extra``.
+
+    It trains on the (small) validation split to keep tokenisation fast, with validation off,
+    and logs every step.
+    """
+    return [
+        "--job.dump_folder", str(dump_folder),
+        "--model.flavor", "tiny",
+        "--model.tokenizer_path", str(SAMPLE / "tokenizer.json"),
+        "--data.train_path", str(SAMPLE / "validation.jsonl"),
+        "--training.steps", str(steps),
+        "--training.batch_size", "4",
+        "--training.seq_len", "32",
+        "--lr_scheduler.warmup_steps", "1",
+        "--validation.interval", "0",
+        "--metrics.log_freq", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def make_trainer(
+    dump_folder: str | Path, *args: str, steps: int = 3, plugins: Plugins = ()
+) -> Trainer:
+    """The :class:`~plugtrain.training.trainer.Trainer` of a tiny run configured by ``args``.
+
+    The plugins ``args`` enable (``--plugins.enabled``) are loaded first; then ``plugins`` are
+    registered in exactly their order, after the enabled plugins they do not name. A pair
+    ``(name, None)`` moves the enabled plugin ``name`` to its position, so a test controls the
+    whole registration order: ``[("inject", InjectInf(...)), ("grad_scaler", None)]`` puts the
+    injector before the scaler. (pluggy calls later registrations first within a hook.) A
+    pair naming an enabled plugin with an object replaces the instance the run loaded. Data
+    is prepared into the session's cache (:mod:`plugtrain.testing.session`).
+    """
+    from plugtrain.training.launch import configure
+    from plugtrain.training.trainer import Trainer
+
+    session_cache()
+    configured = configure(tiny_args(dump_folder, *args, steps=steps))
+    assert configured is not None, "make_trainer takes no --help"
+    config, host = configured
+    resolved = [(name, host.get(name) if obj is None else obj) for name, obj in plugins]
+    for name, _ in resolved:
+        if name in host.names():  # an enabled plugin: moved, or replaced by the object given
+            host.unregister(host.get(name))
+    for name, obj in resolved:
+        host.register(obj, name)
+    return Trainer(config, host)
+
+
+def read_metrics(dump_folder: str | Path) -> list[dict]:
+    """The JSONL records a run wrote (rank 0), in order."""
+    lines = (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def parameter_checksums(model: nn.Module) -> str:
+    """A SHA-256 of this rank's parameter shards, bytes and all: equal means bitwise equal."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(local_tensor(param.detach()).contiguous().cpu().view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+Call = tuple[str, int | None, int | None]
+"""One hook call: ``(hook, step, microbatch)``; step and microbatch are None for hooks with no
+step."""
+
+
+def hooks_fired(calls: Iterable[Call]) -> list[str]:
+    """The hooks of ``calls`` (a :class:`HookLog`'s or a :class:`RunResult`'s), in the order
+    they first fired."""
+    return list(dict.fromkeys(hook for hook, _, _ in calls))
+
+
+class HookLog:
+    """Logs every hook call of a run, in order, without changing the run.
+
+    Every hook but ``config_section`` (which fires before any plugin object is registered) is
+    implemented. The hooks pluggy fires are ``wrapper=True`` implementations that record
+    ``(hook, step, microbatch)`` and yield, so they see the call before any plain
+    implementation. The hooks the trainer calls plugin by plugin (``loss_terms``,
+    ``step_metrics``, ``validation_weights``, ``state_dict``, ``load_state_dict``) are plain
+    ones that add nothing; ``state_dict`` saves a constant, so that a resumed run fires
+    ``load_state_dict``. Step and microbatch are None for hooks with no
+    step. Each step's skip flag is kept and read only when asked (:meth:`skipped_steps`): a
+    run with the log makes no extra host sync.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self._skipped: list[tuple[int, torch.Tensor | None]] = []
+
+    def _log(self, hook: str, ctx: StepContext | None = None) -> None:
+        self.calls.append((hook, getattr(ctx, "step", None), getattr(ctx, "microbatch", None)))
+
+    def hooks_fired(self) -> list[str]:
+        """The hooks that fired, in the order they first fired."""
+        return hooks_fired(self.calls)
+
+    def skipped_steps(self) -> list[int]:
+        """The steps a veto skipped (this reads the flags from the device)."""
+        return [step for step, flag in self._skipped if flag is not None and bool(flag)]
+
+    @hookimpl(wrapper=True)
+    def wrap_model(self, ctx: ModelContext) -> Iterator[None]:
+        self._log("wrap_model")
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def compile_model(self, ctx: ModelContext) -> Iterator[None]:
+        self._log("compile_model")
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def setup(self, ctx: SetupContext) -> Iterator[None]:
+        self._log("setup")
+        return (yield)
+
+    @hookimpl
+    def loss_terms(self, ctx: LossContext) -> None:
+        self._log("loss_terms", ctx)
+
+    @hookimpl(wrapper=True)
+    def pre_backward(self, ctx: StepContext) -> Iterator[None]:
+        self._log("pre_backward", ctx)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def unscale_gradients(self, ctx: StepContext) -> Iterator[None]:
+        self._log("unscale_gradients", ctx)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def observe_gradients(self, ctx: StepContext) -> Iterator[None]:
+        self._log("observe_gradients", ctx)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def post_backward(self, ctx: StepContext) -> Iterator[None]:
+        self._log("post_backward", ctx)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def pre_step(self, ctx: StepContext) -> Iterator[None]:
+        self._log("pre_step", ctx)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def post_step(self, ctx: StepContext) -> Iterator[None]:
+        self._log("post_step", ctx)
+        self._skipped.append((ctx.step, ctx.skipped))
+        return (yield)
+
+    @hookimpl
+    def step_metrics(self, ctx: StepContext) -> None:
+        self._log("step_metrics", ctx)
+
+    @hookimpl
+    def validation_weights(self) -> None:
+        self._log("validation_weights")
+
+    @hookimpl(wrapper=True)
+    def pre_validation(self, ctx: ValidationContext) -> Iterator[None]:
+        self._log("pre_validation", ctx)
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def post_validation(self, ctx: ValidationContext) -> Iterator[None]:
+        self._log("post_validation", ctx)
+        return (yield)
+
+    @hookimpl
+    def state_dict(self) -> dict[str, Any]:
+        self._log("state_dict")
+        return {"saved": 1}
+
+    @hookimpl
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._log("load_state_dict")
+
+    @hookimpl(wrapper=True)
+    def checkpoint_saved(self, step: int) -> Iterator[None]:
+        self.calls.append(("checkpoint_saved", step, None))
+        return (yield)
+
+    @hookimpl(wrapper=True)
+    def checkpoint_loaded(self, step: int) -> Iterator[None]:
+        self.calls.append(("checkpoint_loaded", step, None))
+        return (yield)
+
+
+@dataclass
+class RunResult:
+    """What a tiny run did, as :func:`tiny_run` returns it."""
+
+    losses: dict[int, float]
+    """The logged loss of each step (every step is a logging step unless ``args`` say not)."""
+    metrics: list[dict]
+    """The records of ``metrics.jsonl``, in order."""
+    checksums: list[str]
+    """Each rank's :func:`parameter_checksums` at the end of the run, by rank."""
+    hooks: list[Call]
+    """Rank 0's hook calls in order: ``(hook, step, microbatch)``."""
+    skipped_steps: list[int]
+    """The steps a veto skipped (on rank 0; vetoes must agree across ranks)."""
+    dump_folder: Path
+    per_rank: list[dict] = field(default_factory=list, repr=False)
+    """Each rank's raw result (``checksum``, ``hooks``, ``skipped_steps``)."""
+
+    def hooks_fired(self) -> list[str]:
+        """The hooks that fired, in the order they first fired."""
+        return hooks_fired(self.hooks)
+
+
+def _train_one_rank(dump_folder: str, args: Sequence[str], steps: int, plugins: Plugins) -> dict:
+    log = HookLog()
+    trainer = make_trainer(dump_folder, *args, steps=steps, plugins=[*plugins, ("hook_log", log)])
+    trainer.run()
+    return {
+        "rank": trainer.world.rank,
+        "checksum": parameter_checksums(trainer.model),
+        "hooks": log.calls,
+        "skipped_steps": log.skipped_steps(),
+    }
+
+
+def tiny_run(
+    dump_folder: str | Path,
+    *args: str,
+    plugins: Plugins = (),
+    steps: int = 3,
+    world_size: int = 1,
+) -> RunResult:
+    """Train the tiny model ``steps`` steps on ``world_size`` processes; return what it did.
+
+    ``args`` are config overrides (``"--plugins.enabled", "grad_clip"``, ``"--grad_clip.max_norm",
+    "1.0"``); ``plugins`` are registered as :func:`make_trainer` says (plugin objects must be
+    picklable when ``world_size > 1``). One process trains in this one; more are spawned and
+    joined over gloo on the loopback interface.
+    """
+    folder = Path(dump_folder)
+    if world_size == 1:
+        ranks = [_train_one_rank(str(folder), args, steps, plugins)]
+    else:
+        ranks = run_distributed(_train_one_rank, world_size, str(folder), args, steps, plugins)
+    records = read_metrics(folder)
+    return RunResult(
+        losses={r["step"]: r["loss"] for r in records if "loss" in r},
+        metrics=records,
+        checksums=[r["checksum"] for r in ranks],
+        hooks=ranks[0]["hooks"],
+        skipped_steps=ranks[0]["skipped_steps"],
+        dump_folder=folder,
+        per_rank=ranks,
+    )
