@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 CORE = REPO / "core" / "src"
 PLUGIN_API = {"plugtrain.plugin", "plugtrain.testing"}
-"""The only core modules a plugin (or the plugin template) may import."""
+"""The only core modules a plugin (or the plugin template) may import, in its code and its
+tests (the kit's modules, ``plugtrain.testing.<module>``, count as the kit)."""
 TRAINER = "plugtrain.training.trainer"
 """The composition root: only entry points (train.py, the CLI) may import it."""
 TRAINER_IMPORTERS = ["plugtrain.testing.runs"]
@@ -69,9 +70,17 @@ def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
     return None
 
 
-def plugin_sources() -> Iterator[Path]:
-    for src in [*REPO.glob("plugins/*/src"), REPO / "templates" / "plugin" / "src"]:
-        yield from src.rglob("*.py")
+def plugin_files() -> Iterator[Path]:
+    """Every plugin's (and the template's) code and tests."""
+    for plugin in [*REPO.glob("plugins/*"), REPO / "templates" / "plugin"]:
+        for folder in ("src", "tests"):
+            yield from (plugin / folder).rglob("*.py")
+
+
+def outside_the_plugin_api(path: Path) -> list[str]:
+    """The core modules ``path`` imports that a plugin may not."""
+    imported = imported_modules(path, set()) - PLUGIN_API
+    return sorted(name for name in imported if not name.startswith("plugtrain.testing."))
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -88,11 +97,12 @@ def test_only_entry_points_import_the_trainer():
     assert importers == TRAINER_IMPORTERS
 
 
-def test_plugins_import_only_the_plugin_api():
+def test_plugins_and_their_tests_import_only_the_plugin_api_and_the_kit():
+    assert any("tests" in path.parts for path in plugin_files())
     offenders = {
-        str(path.relative_to(REPO)): sorted(imported - PLUGIN_API)
-        for path in plugin_sources()
-        if (imported := imported_modules(path, set()) - PLUGIN_API)
+        str(path.relative_to(REPO)): imported
+        for path in plugin_files()
+        if (imported := outside_the_plugin_api(path))
     }
     assert offenders == {}
 

@@ -7,14 +7,18 @@ import math
 import pytest
 from plugtrain_grad_clip import GradClipConfig
 
-from plugtrain.config import build_config
-from plugtrain.errors import ConfigError
-from plugtrain.testing import tiny_args
-from plugtrain.training.launch import configure
+from plugtrain.plugin import ConfigError
+from plugtrain.testing import setup_context
+
+ENABLE = ("--plugins.enabled", "grad_clip")
 
 
-def section(**values) -> GradClipConfig:
-    return build_config({"grad_clip": values}, {"grad_clip": GradClipConfig}).plugin("grad_clip")
+def section(*args: str, **values) -> GradClipConfig:
+    """The [grad_clip] section a run validates from ``values`` (as TOML gives them) and
+    ``args``."""
+    plugin = object()
+    ctx = setup_context({"grad_clip": plugin}, *ENABLE, *args, values={"grad_clip": values})
+    return ctx.plugin_config(plugin)
 
 
 def test_defaults():
@@ -24,14 +28,14 @@ def test_defaults():
 def test_inf_norm_from_the_command_line_and_toml(tmp_path):
     toml = tmp_path / "clip.toml"
     toml.write_text('[plugins]\nenabled = ["grad_clip"]\n[grad_clip]\nnorm_type = inf\n')
-    config, host = configure([*tiny_args(tmp_path), "--config", str(toml)])
-    assert config.plugin("grad_clip").norm_type == math.inf
-    assert host.names() == ["grad_clip"]
-    config, _ = configure(
-        [*tiny_args(tmp_path), "--plugins.enabled", "grad_clip", "--grad_clip.norm_type", "inf",
-         "--grad_clip.max_norm", "0.5", "--grad_clip.on_nonfinite", "raise"]
-    )  # fmt: skip
-    assert config.plugin("grad_clip") == GradClipConfig(0.5, math.inf, "raise")
+    plugin = object()
+    ctx = setup_context({"grad_clip": plugin}, "--config", str(toml))
+    assert ctx.plugin_config(plugin).norm_type == math.inf
+    assert ctx.config.plugins.enabled == ["grad_clip"]
+    assert section(
+        "--grad_clip.norm_type", "inf", "--grad_clip.max_norm", "0.5",
+        "--grad_clip.on_nonfinite", "raise",
+    ) == GradClipConfig(0.5, math.inf, "raise")  # fmt: skip
 
 
 @pytest.mark.parametrize(

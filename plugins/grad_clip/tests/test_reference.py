@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from plugtrain.config import JobConfig
-from plugtrain.data.pipeline import StatefulBatchLoader, build_dataset
-from plugtrain.data.tokenizer import Tokenizer
-from plugtrain.model.transformer import FLAVORS, Transformer
 from plugtrain.plugin import full_tensor
-from plugtrain.testing import make_trainer, read_metrics, run_distributed, tiny_args
-from plugtrain.training.launch import configure
-from plugtrain.training.optim import LRSchedule, build_optimizer
-from plugtrain.training.trainer import cross_entropy
+from plugtrain.testing import cross_entropy, make_trainer, read_metrics, run_distributed
 
 STEPS = 4
 # Measured: the 2-process parameters are within 4e-7 of the reference after 4 steps; clipping
 # moves each parameter tensor by 1.4e-4 or more.
 RTOL, ATOL = 1e-5, 1e-6
+BATCH = ("--training.batch_size", "8")
 
 
 def train_and_gather(dump_folder: str, args: list[str], steps: int) -> dict[str, torch.Tensor]:
@@ -33,42 +27,25 @@ def train_and_gather(dump_folder: str, args: list[str], steps: int) -> dict[str,
 
 
 def reference_run(
-    config: JobConfig, max_norm: float | None, norm_type: float
+    dump_folder: Path, max_norm: float | None, norm_type: float
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same run as the trainer's, written out: one process, no FSDP, one microbatch.
+    """The same run as the trainer's, written out on its model, optimizer, schedule and data:
+    one process, no FSDP, one microbatch, no plugin.
 
     Clips with ``torch.nn.utils.clip_grad_norm_`` unless ``max_norm`` is None; returns the
     pre-clip total norm of each step and the final parameters.
     """
-    train = config.training
-    tokenizer = Tokenizer.from_file(config.model.tokenizer_path)
-    data = build_dataset(
-        config.data.train_path, "data.train_path", tokenizer, config.data.text_field, train.seq_len
-    )
-    loader = StatefulBatchLoader(
-        data, global_batch_size=train.batch_size, grad_accum_steps=1, rank=0, world_size=1,
-        seed=train.seed, shuffle=config.data.shuffle,
-    )  # fmt: skip
-    flavor = FLAVORS[config.model.flavor]
-    model = Transformer(
-        dataclasses.replace(
-            flavor,
-            vocab_size=tokenizer.vocab_size,
-            max_seq_len=max(flavor.max_seq_len, train.seq_len),
-        )
-    )
-    model.init_weights(seed=train.seed)
-    optimizer = build_optimizer(model, config.optimizer, torch.device("cpu"))
-    scheduler = LRSchedule(optimizer, config.lr_scheduler, train.steps)
+    trainer = make_trainer(dump_folder, *BATCH, steps=STEPS)
+    model, optimizer = trainer.model, trainer.optimizer
     norms = []
-    for _ in range(train.steps):
-        ((inputs, targets),) = loader.next_batch()
+    for _ in range(STEPS):
+        ((inputs, targets),) = trainer.batches.next_batch()
         cross_entropy(model(inputs), targets).backward()
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
             norms.append(norm.item())
         optimizer.step()
-        scheduler.step(torch.tensor(True))
+        trainer.lr_scheduler.step(torch.tensor(True))
         optimizer.zero_grad(set_to_none=True)
     return norms, {n: p.detach() for n, p in model.named_parameters()}
 
@@ -81,13 +58,12 @@ def reference_run(
 )
 def test_two_fsdp2_processes_match_clip_grad_norm(tmp_path, clip_args, norm_type, max_norm, accum):
     args = [
-        "--training.batch_size", "8", "--training.grad_accum_steps", str(accum),
+        *BATCH, "--training.grad_accum_steps", str(accum),
         *clip_args(max_norm, "--grad_clip.norm_type", str(norm_type)),
     ]  # fmt: skip
     ranks = run_distributed(train_and_gather, 2, str(tmp_path / "run"), args, STEPS)
-    config, _ = configure([*tiny_args(tmp_path / "ref", steps=STEPS), *args])
-    ref_norms, ref_params = reference_run(config, max_norm, norm_type)
-    _, unclipped = reference_run(config, None, norm_type)
+    ref_norms, ref_params = reference_run(tmp_path / "ref", max_norm, norm_type)
+    _, unclipped = reference_run(tmp_path / "unclipped", None, norm_type)
 
     records = read_metrics(tmp_path / "run")
     assert [r["grad_clip/grad_norm"] for r in records] == pytest.approx(ref_norms, rel=1e-5)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from plugtrain.plugin import full_tensor, gradients, hookimpl, local_tensor
-from plugtrain.testing import InjectInf, make_trainer, poison, read_metrics
-from plugtrain.training.trainer import Trainer, cross_entropy
+from plugtrain.testing import InjectInf, Trainer, cross_entropy, make_trainer, poison, read_metrics
 
 STEPS = 6
 INF_STEPS = {2, 5}

@@ -8,19 +8,18 @@ import pytest
 import torch
 from plugtrain_grad_scaler import GradScalerConfig
 
-from plugtrain.config import build_config
-from plugtrain.errors import ConfigError
-from plugtrain.testing import InjectInf, make_trainer, read_metrics
-from plugtrain.training.trainer import Trainer
+from plugtrain.plugin import ConfigError
+from plugtrain.testing import InjectInf, Trainer, make_trainer, read_metrics, setup_context
 
 ENABLE = ("--plugins.enabled", "grad_scaler")
 FP16 = ("--training.mixed_precision_param", "float16")
 
 
 def section(**values) -> GradScalerConfig:
-    return build_config({"grad_scaler": values}, {"grad_scaler": GradScalerConfig}).plugin(
-        "grad_scaler"
-    )
+    """The [grad_scaler] section a run validates from ``values``, as TOML gives them."""
+    plugin = object()
+    ctx = setup_context({"grad_scaler": plugin}, *ENABLE, values={"grad_scaler": values})
+    return ctx.plugin_config(plugin)
 
 
 def test_enabled_accepts_toml_booleans_command_line_strings_and_auto():

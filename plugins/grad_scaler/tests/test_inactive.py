@@ -12,8 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from plugtrain.plugin import full_tensor
-from plugtrain.testing import count_costs, make_trainer, run_distributed
-from plugtrain.training.trainer import Trainer
+from plugtrain.testing import Trainer, count_costs, make_trainer, run_distributed
 
 PROFILED_STEPS = 2
 UNSCALE = "aten::_amp_foreach_non_finite_check_and_unscale_"

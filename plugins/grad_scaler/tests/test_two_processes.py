@@ -9,8 +9,14 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.profiler import ProfilerActivity, profile
 
 from plugtrain.plugin import StepContext, hookimpl
-from plugtrain.testing import InjectInf, StepWatcher, make_trainer, poison, run_distributed
-from plugtrain.training.trainer import cross_entropy
+from plugtrain.testing import (
+    InjectInf,
+    StepWatcher,
+    cross_entropy,
+    make_trainer,
+    poison,
+    run_distributed,
+)
 
 FP16 = ("--training.mixed_precision_param", "float16")
 

@@ -3,34 +3,31 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from plugtrain_hook_recorder import HookRecorder, HookRecorderConfig
 
-from plugtrain.config import build_config
-from plugtrain.errors import ConfigError
-from plugtrain.plugin import StepContext
+from plugtrain.plugin import ConfigError
+from plugtrain.testing import setup_context, step_context
 
 
-def step_context(step: int) -> StepContext:
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return StepContext(step, 1, model, optimizer, tuple(model.parameters()))
+def section(**values) -> HookRecorderConfig:
+    """The [hook_recorder] section a run validates from ``values``, as TOML gives them."""
+    plugin = HookRecorder()
+    ctx = setup_context(
+        {"hook_recorder": plugin}, "--plugins.enabled", "hook_recorder",
+        values={"hook_recorder": values},
+    )  # fmt: skip
+    return ctx.plugin_config(plugin)
 
 
 def test_config_section_is_typed():
-    cfg = build_config(
-        {"hook_recorder": {"veto_steps": [2, 5]}}, {"hook_recorder": HookRecorderConfig}
-    )
-    assert cfg.plugin("hook_recorder").veto_steps == [2, 5]
+    assert section(veto_steps=[2, 5]).veto_steps == [2, 5]
     with pytest.raises(ConfigError, match=r"config key 'hook_recorder\.veto_steps' must be int"):
-        build_config(
-            {"hook_recorder": {"veto_steps": ["x"]}}, {"hook_recorder": HookRecorderConfig}
-        )
+        section(veto_steps=["x"])
 
 
 def test_vetoes_only_the_configured_steps():
     plugin = HookRecorder()
     plugin.config = HookRecorderConfig(veto_steps=[2])
-    assert plugin.pre_step(step_context(2)) == "hook_recorder vetoes step 2 (veto_steps)"
-    assert plugin.pre_step(step_context(3)) is None
+    assert plugin.pre_step(step_context(step=2)) == "hook_recorder vetoes step 2 (veto_steps)"
+    assert plugin.pre_step(step_context(step=3)) is None
     assert [c.hook for c in plugin.calls] == ["pre_step", "pre_step"]

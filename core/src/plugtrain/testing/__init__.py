@@ -13,8 +13,9 @@ Runs (:mod:`~plugtrain.testing.runs`, :mod:`~plugtrain.testing.processes`):
   processes over gloo) with given plugins and config overrides, and returns a :class:`RunResult`:
   per-step losses, the metrics records, each rank's parameter checksum, the hooks fired in
   order and the skipped steps. The ``plugtrain_run`` fixture is the same, in ``tmp_path``.
-* :func:`make_trainer` builds the :class:`~plugtrain.training.trainer.Trainer` of such a run for
-  tests that drive it themselves; :func:`tiny_args` are its command-line arguments.
+* :func:`make_trainer` builds the :class:`Trainer` of such a run for tests that drive it
+  themselves; :func:`tiny_args` are its command-line arguments; :func:`cross_entropy` is its
+  loss, for a reference loop written out.
 * :func:`run_distributed` calls a function on N spawned ranks; :func:`run_script` runs a
   training script as a user would (python, or torchrun for several processes).
 
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
         SAMPLE,
         HookLog,
         RunResult,
+        Trainer,
+        cross_entropy,
         make_trainer,
         parameter_checksums,
         read_metrics,
@@ -68,8 +71,8 @@ if TYPE_CHECKING:
 
 _MODULE_OF = {
     **dict.fromkeys(
-        ["SAMPLE", "HookLog", "RunResult", "make_trainer", "parameter_checksums",
-         "read_metrics", "tiny_args", "tiny_run"], "runs",
+        ["SAMPLE", "HookLog", "RunResult", "Trainer", "cross_entropy", "make_trainer",
+         "parameter_checksums", "read_metrics", "tiny_args", "tiny_run"], "runs",
     ),
     **dict.fromkeys(["free_port", "run_distributed", "run_script"], "processes"),
     **dict.fromkeys(["model_context", "setup_context", "step_context"], "contexts"),
@@ -91,9 +94,11 @@ __all__ = [
     "RunResult",
     "SigtermAt",
     "StepWatcher",
+    "Trainer",
     "assert_costs",
     "check_order_independence",
     "count_costs",
+    "cross_entropy",
     "free_port",
     "interrupted_and_resumed",
     "make_trainer",

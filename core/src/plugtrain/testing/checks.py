@@ -16,17 +16,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from plugtrain.plugin import StepContext, hookimpl, local_tensor
-from plugtrain.testing.runs import Plugins, make_trainer, parameter_checksums
-
-if TYPE_CHECKING:
-    from plugtrain.testing.runs import Trainer
+from plugtrain.testing.runs import Plugins, Trainer, make_trainer, parameter_checksums
 
 
 @dataclass

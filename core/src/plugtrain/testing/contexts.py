@@ -6,8 +6,11 @@ One process, the CPU; the config is validated as a run validates it, so a bad va
 
 from __future__ import annotations
 
+import json
+import math
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,13 +65,39 @@ def step_context(
     )
 
 
+def _toml(value: object) -> str:
+    """``value`` as TOML writes it: a bool, a number (inf and nan too), a string or a list."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else f"{'-' if value < 0 else ''}inf"
+    if isinstance(value, int | float | str):
+        return json.dumps(value)  # a JSON number or string is a TOML one
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    raise TypeError(f"cannot write {value!r} as a TOML config value")
+
+
 def _configured(
-    plugins: dict[str, object] | None, args: Sequence[str]
+    plugins: dict[str, object] | None,
+    args: Sequence[str],
+    values: Mapping[str, Mapping[str, object]] | None = None,
 ) -> tuple[JobConfig, Callable[[object], str]]:
-    """A tiny run's validated config with ``args``, and ``name_of`` answering from ``plugins``."""
+    """A tiny run's validated config with ``values`` (in a TOML file) and ``args`` on top, and
+    ``name_of`` answering from ``plugins``."""
     from plugtrain.training.launch import configure
 
-    configured = configure(tiny_args(tempfile.mkdtemp(prefix="plugtrain-setup-"), *args))
+    folder = Path(tempfile.mkdtemp(prefix="plugtrain-setup-"))
+    if values:
+        toml = folder / "config.toml"
+        toml.write_text(
+            "".join(
+                f"[{section}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items())
+                for section, keys in values.items()
+            )
+        )
+        args = ["--config", str(toml), *args]
+    configured = configure(tiny_args(folder, *args))
     assert configured is not None
     names = {id(obj): name for name, obj in (plugins or {}).items()}
 
@@ -81,6 +110,7 @@ def _configured(
 def setup_context(
     plugins: dict[str, object] | None = None,
     *args: str,
+    values: Mapping[str, Mapping[str, object]] | None = None,
     model: nn.Module | None = None,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
@@ -90,9 +120,12 @@ def setup_context(
     ``plugins`` maps the names the plugin objects run under to the objects (``name_of``
     answers from it); ``args`` are config overrides, validated as a run validates them
     (``"--plugins.enabled", "grad_clip", "--grad_clip.max_norm", "2"``), so
-    ``ctx.plugin_config(plugin)`` returns the plugin's section. One process, the CPU, no mesh.
+    ``ctx.plugin_config(plugin)`` returns the plugin's section and a bad value raises
+    :class:`~plugtrain.plugin.ConfigError`. ``values`` are config sections as a TOML file gives
+    them, typed (``{"grad_clip": {"max_norm": 0}}``), under ``args``. One process, the CPU, no
+    mesh.
     """
-    config, name_of = _configured(plugins, args)
+    config, name_of = _configured(plugins, args, values)
     model = _tiny_model() if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return SetupContext(

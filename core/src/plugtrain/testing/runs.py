@@ -1,9 +1,10 @@
 """Tiny real runs: their arguments, the trainer, what they did (losses, hooks, checksums).
 
 The shipped sample (:data:`SAMPLE`) is the data; :func:`tiny_run` trains on 1 or more
-processes and returns a :class:`RunResult`; :func:`make_trainer` gives the
-:class:`~plugtrain.training.trainer.Trainer` itself. This is the one module of the kit that
-imports the trainer: like ``train.py``, it is an entry point that builds runs.
+processes and returns a :class:`RunResult`; :func:`make_trainer` gives the :class:`Trainer`
+itself, and :func:`cross_entropy` is its loss, for tests that write a reference loop out. This
+is the one module of the kit that imports the trainer: like ``train.py``, it is an entry point
+that builds runs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,9 +31,21 @@ from plugtrain.plugin import (
 )
 from plugtrain.testing.processes import run_distributed
 from plugtrain.testing.session import session_cache
+from plugtrain.training.launch import configure
+from plugtrain.training.trainer import Trainer, cross_entropy
 
-if TYPE_CHECKING:
-    from plugtrain.training.trainer import Trainer
+__all__ = [
+    "SAMPLE",
+    "HookLog",
+    "RunResult",
+    "Trainer",
+    "cross_entropy",
+    "make_trainer",
+    "parameter_checksums",
+    "read_metrics",
+    "tiny_args",
+    "tiny_run",
+]
 
 Plugins = Sequence[tuple[str, object | None]]
 """Plugins registered in this order: ``(name, plugin)``, or ``(name, None)`` to move the
@@ -76,7 +89,7 @@ def tiny_args(dump_folder: str | Path, *extra: str, steps: int = 3) -> list[str]
 def make_trainer(
     dump_folder: str | Path, *args: str, steps: int = 3, plugins: Plugins = ()
 ) -> Trainer:
-    """The :class:`~plugtrain.training.trainer.Trainer` of a tiny run configured by ``args``.
+    """The :class:`Trainer` of a tiny run configured by ``args``.
 
     The plugins ``args`` enable (``--plugins.enabled``) are loaded first; then ``plugins`` are
     registered in exactly their order, after the enabled plugins they do not name. A pair
@@ -86,9 +99,6 @@ def make_trainer(
     pair naming an enabled plugin with an object replaces the instance the run loaded. Data
     is prepared into the session's cache (:mod:`plugtrain.testing.session`).
     """
-    from plugtrain.training.launch import configure
-    from plugtrain.training.trainer import Trainer
-
     session_cache()
     configured = configure(tiny_args(dump_folder, *args, steps=steps))
     assert configured is not None, "make_trainer takes no --help"
