@@ -1,4 +1,5 @@
-"""Tests of plugtrain.data.pipeline: JSONL loading, tokenization, packing and the batch loaders."""
+"""Tests of plugtrain.data.pipeline (packing, the batch loaders) and of the kit's in-memory
+reference path (JSONL loading, tokenization)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,13 @@ from plugtrain.data.permutation import permute
 from plugtrain.data.pipeline import (
     PackedDataset,
     StatefulBatchLoader,
-    build_dataset,
     count_eval_batches,
     iter_eval_batches,
-    load_jsonl_texts,
-    tokenize_documents,
 )
 from plugtrain.data.prefetch import DevicePrefetcher
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError
+from plugtrain.testing import InMemoryStream, build_dataset, load_jsonl_texts, tokenize_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 3
@@ -116,7 +115,7 @@ def test_tokenize_documents_without_bos(tmp_path: Path) -> None:
 
 
 def test_packed_dataset_targets_are_shifted_inputs() -> None:
-    ds = PackedDataset(torch.arange(23, dtype=torch.int32), seq_len=4)
+    ds = PackedDataset(InMemoryStream(torch.arange(23, dtype=torch.int32)), seq_len=4)
     assert len(ds) == 4  # 23 // 5; the last 3 tokens are dropped
     for i in range(len(ds)):
         inputs, targets = ds[i]
@@ -133,9 +132,9 @@ def test_packed_dataset_targets_are_shifted_inputs() -> None:
 def test_packed_dataset_too_short_stream() -> None:
     msg = r"the token stream has 4 tokens, fewer than the 5 needed .* seq_len=4"
     with pytest.raises(DataError, match=msg):
-        PackedDataset(torch.arange(4), seq_len=4)
+        PackedDataset(InMemoryStream(torch.arange(4)), seq_len=4)
     with pytest.raises(DataError, match=r"training\.seq_len must be at least 1, got 0"):
-        PackedDataset(torch.arange(4), seq_len=0)
+        PackedDataset(InMemoryStream(torch.arange(4)), seq_len=0)
 
 
 def test_build_dataset_names_a_file_too_small_for_one_sample(tmp_path: Path, tok: Tokenizer):
@@ -161,7 +160,7 @@ def test_build_dataset_packs_the_validation_split(tok: Tokenizer) -> None:
 
 def _dataset(num_samples: int) -> PackedDataset:
     """Sample i holds tokens i*(SEQ_LEN+1) ..., so its id is inputs[0] // (SEQ_LEN+1)."""
-    return PackedDataset(torch.arange(num_samples * (SEQ_LEN + 1)), seq_len=SEQ_LEN)
+    return PackedDataset(InMemoryStream(torch.arange(num_samples * (SEQ_LEN + 1))), seq_len=SEQ_LEN)
 
 
 def _ids(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:

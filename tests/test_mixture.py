@@ -10,7 +10,7 @@ import torch
 from plugtrain.data.mixture import BLOCK, MixtureDataset
 from plugtrain.data.pipeline import PackedDataset, StatefulBatchLoader
 from plugtrain.errors import ConfigError, DataError
-from plugtrain.testing import SAMPLE, make_trainer, read_metrics
+from plugtrain.testing import SAMPLE, InMemoryStream, make_trainer, read_metrics
 from plugtrain.training.launch import configure
 
 SEQ_LEN = 3
@@ -20,7 +20,7 @@ SIZES = (5, 40, 300)
 def _datasets() -> list[PackedDataset]:
     """Source s's sample i starts with token s * 100_000 + i * (SEQ_LEN + 1)."""
     return [
-        PackedDataset(s * 100_000 + torch.arange(n * (SEQ_LEN + 1)), SEQ_LEN)
+        PackedDataset(InMemoryStream(s * 100_000 + torch.arange(n * (SEQ_LEN + 1))), SEQ_LEN)
         for s, n in enumerate(SIZES)
     ]
 

@@ -17,12 +17,12 @@ import torch
 
 from plugtrain.cli import main
 from plugtrain.data import prepare as prepare_module
-from plugtrain.data.pipeline import PackedDataset, load_jsonl_texts, tokenize_documents
+from plugtrain.data.pipeline import PackedDataset
 from plugtrain.data.prepare import prepare
 from plugtrain.data.store import MANIFEST, TokenStore, document_offsets, file_sha256
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError, MissingFileError, UserError
-from plugtrain.testing import SAMPLE
+from plugtrain.testing import SAMPLE, InMemoryStream, load_jsonl_texts, tokenize_documents
 
 TOKENIZER = SAMPLE / "tokenizer.json"
 
@@ -38,7 +38,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(corpus: Path) -> torch.Tensor:
-    """The corpus's token stream as the in-memory pipeline makes it."""
+    """The corpus's token stream as the kit's in-memory reference makes it."""
     return tokenize_documents(load_jsonl_texts(corpus), Tokenizer.from_file(TOKENIZER))
 
 
@@ -208,7 +208,7 @@ def test_samples_read_across_shards_equal_the_in_memory_ones(
     prepared: Path, reference: torch.Tensor
 ) -> None:
     stored = PackedDataset(TokenStore(prepared), 4000)  # samples longer than a shard
-    memory = PackedDataset(reference, 4000)
+    memory = PackedDataset(InMemoryStream(reference), 4000)
     assert len(stored) == len(memory)
     indices = list(reversed(range(len(memory))))
     for a, b in zip(stored.collate(indices), memory.collate(indices), strict=True):

@@ -188,6 +188,14 @@ def test_peak_memory_counts_the_tensors_alive_at_once():
     del d
 
 
+def test_every_public_name_imports_from_the_package():
+    import plugtrain.testing as kit
+
+    assert [name for name in kit.__all__ if getattr(kit, name, None) is None] == []
+    with pytest.raises(AttributeError, match="has no attribute 'tiny_runs'"):
+        kit.tiny_runs  # noqa: B018
+
+
 PROBE = """
 import os, sys
 

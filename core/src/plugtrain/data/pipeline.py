@@ -3,10 +3,8 @@
 The pipeline is deliberately simple and fully deterministic, so that runs are reproducible and
 resumable bit for bit:
 
-1. The token stream: a prepared folder read by memory map (:mod:`plugtrain.data.store`, what
-   the trainer uses), or, in memory, :func:`load_jsonl_texts` and :func:`tokenize_documents`,
-   which frame each document Llama-style as ``<|begin_of_text|> tokens <|end_of_text|>``
-   exactly as ``prepare-data`` does.
+1. The token stream: a prepared folder read by memory map (:mod:`plugtrain.data.store`), each
+   document framed Llama-style as ``<|begin_of_text|> tokens <|end_of_text|>``.
 2. :class:`PackedDataset` cuts the stream into non-overlapping samples of ``seq_len + 1``
    tokens (inputs, and targets shifted by one); documents run across sample boundaries.
    Only the samples drawn are read.
@@ -22,60 +20,28 @@ trainer meets each while it is built, before step 1 (:func:`count_eval_batches` 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from plugtrain.data.permutation import permute
-from plugtrain.data.sources import iter_documents
-from plugtrain.data.store import TokenStore
-from plugtrain.data.tokenizer import Tokenizer
-from plugtrain.errors import DataError, MissingFileError
+from plugtrain.errors import DataError
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
-"""One microbatch: ``(inputs, targets)``, each ``[batch, seq_len]`` token ids."""
-"""(inputs, targets), both int64 of shape [batch, seq_len]; targets are inputs shifted by one."""
+"""One microbatch: ``(inputs, targets)``, both int64 token ids of shape ``[batch, seq_len]``;
+targets are inputs shifted by one."""
 
 
-def load_jsonl_texts(
-    path: str | os.PathLike[str], field: str = "text", *, key: str = "data.train_path"
-) -> list[str]:
-    """Return the string ``field`` of every non-blank line of the JSONL file at ``path``.
+class TokenStream(Protocol):
+    """A 1-D token stream read by position: a :class:`~plugtrain.data.store.TokenStore`."""
 
-    ``key`` is the config key the path came from; error messages name it as the fix. Raises
-    FileNotFoundError for a missing file and ValueError (naming the line) for a line that is
-    not a JSON object holding a string ``field``, or for a file without any document.
-    """
-    path = Path(path)
-    where = f"data file '{path}'"
-    if not path.is_file():
-        raise MissingFileError(
-            f"{where} not found: set {key} to a JSONL file with one {{{field!r}: ...}} per line"
-        )
-    texts = [text for text, _ in iter_documents(path, field, label="data file")]
-    if not texts:
-        raise DataError(f"{where} holds no documents: set {key} to a non-empty JSONL file")
-    return texts
+    num_tokens: int
 
-
-def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> torch.Tensor:
-    """Encode ``texts`` into one 1-D int32 stream of ``[bos] tokens [eos]`` per document.
-
-    ``bos`` is left out when the tokenizer has no ``<|begin_of_text|>``. int32 halves
-    the memory of int64 and holds any real vocabulary; :class:`PackedDataset` widens each
-    sample to the int64 that embedding lookups and cross-entropy take.
-    """
-    head = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    stream: list[int] = []
-    for ids in tokenizer.encode_batch(texts):
-        stream += head
-        stream += ids
-        stream.append(tokenizer.eos_id)
-    return torch.tensor(stream, dtype=torch.int32)
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` of the stream."""
+        ...
 
 
 class Samples(Protocol):
@@ -92,35 +58,21 @@ class Samples(Protocol):
         ...
 
 
-class InMemoryStream:
-    """A token stream held in memory (a 1-D tensor), read like a :class:`TokenStore`."""
-
-    def __init__(self, stream: torch.Tensor) -> None:
-        if stream.dim() != 1:
-            raise ValueError(f"token stream must be 1-D, got shape {tuple(stream.shape)}")
-        self._stream = stream.numpy()
-        self.num_tokens = stream.numel()
-
-    def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens ``[start, start + length)`` of the stream."""
-        return self._stream[start : start + length]
-
-
 class PackedDataset:
     """Non-overlapping samples of ``seq_len + 1`` consecutive tokens of a stream.
 
     Sample ``i`` covers ``stream[i * (seq_len + 1) : (i + 1) * (seq_len + 1)]``; its inputs are
     the first ``seq_len`` tokens and its targets the last ``seq_len``. The tail of the stream
-    shorter than one sample is dropped. ``stream`` is a 1-D tensor or a memory-mapped
-    :class:`~plugtrain.data.store.TokenStore`, whose tokens are read only when a sample is.
-    ``source`` names where the stream came from in error messages
+    shorter than one sample is dropped. ``stream`` is a memory-mapped
+    :class:`~plugtrain.data.store.TokenStore` (or any :class:`TokenStream`), whose tokens are
+    read only when a sample is. ``source`` names where the stream came from in error messages
     (``data.validation_path 'val.jsonl'``).
     """
 
     def __init__(
-        self, stream: torch.Tensor | TokenStore, seq_len: int, *, source: str = "the token stream"
+        self, stream: TokenStream, seq_len: int, *, source: str = "the token stream"
     ) -> None:
-        self._stream = InMemoryStream(stream) if isinstance(stream, torch.Tensor) else stream
+        self._stream = stream
         if seq_len < 1:
             raise DataError(f"training.seq_len must be at least 1, got {seq_len}")
         num_tokens = self._stream.num_tokens
@@ -158,14 +110,6 @@ def stack_samples(rows: Sequence[np.ndarray]) -> MicroBatch:
     """(inputs, targets) int64 tensors of shape [len(rows), seq_len] from samples' tokens."""
     samples = torch.from_numpy(np.stack(rows).astype(np.int64))
     return samples[:, :-1], samples[:, 1:]
-
-
-def build_dataset(
-    path: str | os.PathLike[str], key: str, tokenizer: Tokenizer, field: str, seq_len: int
-) -> PackedDataset:
-    """Load, tokenize and pack the JSONL file at ``path`` (config key ``key``) in one call."""
-    stream = tokenize_documents(load_jsonl_texts(path, field, key=key), tokenizer)
-    return PackedDataset(stream, seq_len, source=f"{key} '{path}'")
 
 
 def _check_rank(rank: int, world_size: int) -> None:

@@ -6,7 +6,7 @@ The inputs are read as a stream of documents cut into chunks of about ``CHUNK_BY
 processes encode chunks (``tokenizers``, one thread each) while the parent writes the results
 in chunk order, so the bytes written are the same for any number of workers, and at most
 ``2 * workers`` chunks are in memory at once whatever the corpus size. Each document becomes
-``[bos] tokens [eos]`` as in :func:`plugtrain.data.pipeline.tokenize_documents`. A shard is
+``[bos] tokens [eos]`` (tests check it against :mod:`plugtrain.testing.reference`). A shard is
 closed when it holds ``shard_tokens`` tokens or more, at a chunk boundary.
 
 Everything is written to ``<out>.partial/`` and fsynced; only a complete folder is renamed to

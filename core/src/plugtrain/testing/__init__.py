@@ -32,6 +32,10 @@ syncs, collectives and time per non-logging step, of the whole step or of one pl
 :func:`check_order_independence` (the same parameters bitwise whatever the plugin's position
 among the enabled plugins); :class:`StepWatcher` and :class:`PeakMemory`.
 
+The reference data path (:mod:`~plugtrain.testing.reference`): :func:`load_jsonl_texts`,
+:func:`tokenize_documents`, :class:`InMemoryStream` and :func:`build_dataset` read, frame and
+pack a JSONL file in memory, the oracle that prepared data is checked against.
+
 Plugin objects handed to a multi-process run are pickled into spawned processes: define their
 classes at module level. Functions handed to :func:`run_distributed` must be module level too,
 in any module, test files included (a module that is not importable by name, as pytest's
@@ -56,6 +60,12 @@ if TYPE_CHECKING:
     from plugtrain.testing.faults import InjectInf, SigtermAt, interrupted_and_resumed, poison
     from plugtrain.testing.processes import free_port, run_distributed, run_script
     from plugtrain.testing.pytest_plugin import plugtrain_run
+    from plugtrain.testing.reference import (
+        InMemoryStream,
+        build_dataset,
+        load_jsonl_texts,
+        tokenize_documents,
+    )
     from plugtrain.testing.runs import (
         SAMPLE,
         HookLog,
@@ -82,6 +92,9 @@ _MODULE_OF = {
          "count_costs"], "checks",
     ),
     "plugtrain_run": "pytest_plugin",
+    **dict.fromkeys(
+        ["InMemoryStream", "build_dataset", "load_jsonl_texts", "tokenize_documents"], "reference",
+    ),
 }  # fmt: skip
 """Each public name, and the module of this package that holds it."""
 
@@ -89,6 +102,7 @@ __all__ = [
     "SAMPLE",
     "Costs",
     "HookLog",
+    "InMemoryStream",
     "InjectInf",
     "PeakMemory",
     "RunResult",
@@ -96,11 +110,13 @@ __all__ = [
     "StepWatcher",
     "Trainer",
     "assert_costs",
+    "build_dataset",
     "check_order_independence",
     "count_costs",
     "cross_entropy",
     "free_port",
     "interrupted_and_resumed",
+    "load_jsonl_texts",
     "make_trainer",
     "model_context",
     "parameter_checksums",
@@ -113,6 +129,7 @@ __all__ = [
     "step_context",
     "tiny_args",
     "tiny_run",
+    "tokenize_documents",
 ]
 
 
