@@ -105,12 +105,13 @@ def finish(trainer: Trainer) -> Trainer:
     return trainer
 
 
-def interrupted_and_resumed(
+def sigterm_scenario(
     root: str, dtype: str, async_mode: str, sigterm_rank: int, extra: tuple[str, ...] = ()
 ) -> dict:
     """Train 2K steps straight (no checkpoints), then K steps stopped by a SIGTERM that only
     rank ``sigterm_rank`` gets mid-step, then resume to 2K; ``extra`` arguments go to every
-    run. Rank 0 returns what to compare."""
+    run. Rank 0 returns what to compare: beyond the kit's ``interrupted_and_resumed``, the
+    checkpoints saved and the plugin states loaded."""
     torch.set_num_threads(1)
     root_path = Path(root) / f"{dtype}-{async_mode}"
     args = ["--training.mixed_precision_param", dtype, *extra]
@@ -155,8 +156,8 @@ TWO_RANK_SCENARIOS = [("float32", "disabled"), ("bfloat16", "async"), ("float16"
 
 
 def two_rank_scenarios(root: str) -> list[dict]:
-    """:func:`interrupted_and_resumed` for each of TWO_RANK_SCENARIOS, SIGTERM on rank 1 only."""
-    return [interrupted_and_resumed(root, d, m, 1) for d, m in TWO_RANK_SCENARIOS]
+    """:func:`sigterm_scenario` for each of TWO_RANK_SCENARIOS, SIGTERM on rank 1 only."""
+    return [sigterm_scenario(root, d, m, 1) for d, m in TWO_RANK_SCENARIOS]
 
 
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "2")
@@ -207,7 +208,7 @@ def model_tensors(path) -> dict:
 )
 def test_interrupted_run_resumes_exactly(tmp_path, dtype, async_mode):
     handler = signal.getsignal(signal.SIGTERM)
-    r = interrupted_and_resumed(str(tmp_path), dtype, async_mode, 0)
+    r = sigterm_scenario(str(tmp_path), dtype, async_mode, 0)
     assert signal.getsignal(signal.SIGTERM) is handler  # given back at close
     assert r["stopped_at"] == K
     assert r["saved_after_stop"] == ["step-3", f"step-{K}"]
