@@ -1,4 +1,4 @@
-"""The hook contract, observed through the example hook_recorder plugin and test plugins."""
+"""The hook contract, observed through the test kit's HookLog and test plugins."""
 
 from __future__ import annotations
 
@@ -9,35 +9,33 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from plugtrain.plugin import StepContext, full_tensor, hookimpl
-from plugtrain.testing import make_trainer, read_metrics, tiny_args
+from plugtrain.testing import HookLog, make_trainer, read_metrics, tiny_args
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
 
 
-def expected_calls(steps: int, accum: int, vetoed=()) -> list[tuple]:
-    calls = [("setup", 0, 0, False)]
+def expected_calls(steps: int, accum: int) -> list[tuple]:
+    calls = [("wrap_model", None, None), ("compile_model", None, None), ("setup", None, None)]
     for step in range(1, steps + 1):
-        calls += [("pre_backward", step, m, False) for m in range(accum)]
+        for m in range(accum):
+            calls += [("loss_terms", step, m), ("pre_backward", step, m)]
         calls += [
-            ("unscale_gradients", step, accum - 1, False),
-            ("observe_gradients", step, accum - 1, False),
-            ("post_backward", step, accum - 1, False),
-            ("pre_step", step, accum - 1, False),
-            ("post_step", step, accum - 1, step in vetoed),
-            ("step_metrics", step, accum - 1, False),
-        ]
+            (hook, step, accum - 1)
+            for hook in ("unscale_gradients", "observe_gradients", "post_backward", "pre_step",
+                         "post_step", "step_metrics")
+        ]  # fmt: skip
     return calls
 
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_exact_hook_sequence(tmp_path, accum):
+    log = HookLog()
     trainer = make_trainer(
-        tmp_path, "--plugins.enabled", "hook_recorder", "--training.grad_accum_steps", str(accum)
+        tmp_path, "--training.grad_accum_steps", str(accum), plugins=[("log", log)]
     )
     trainer.train()
-    recorder = trainer.host.get("hook_recorder")
-    got = [(c.hook, c.step, c.microbatch, c.skipped) for c in recorder.calls]
-    assert got == expected_calls(3, accum)
+    assert log.calls == expected_calls(3, accum)
+    assert log.skipped_steps() == []
 
 
 class ContextProbe:
@@ -88,9 +86,11 @@ def test_step_context_contents_and_loss_replacement(tmp_path):
 
 
 def test_veto_skips_optimizer_and_lr_schedule(tmp_path):
+    log = HookLog()
     trainer = make_trainer(
-        tmp_path, "--plugins.enabled", "hook_recorder", "--hook_recorder.veto_steps", "[2]"
-    )
+        tmp_path, "--plugins.enabled", "hook_recorder", "--hook_recorder.veto_steps", "[2]",
+        plugins=[("log", log)],
+    )  # fmt: skip
     params = {}
     lrs = {}
 
@@ -112,9 +112,7 @@ def test_veto_skips_optimizer_and_lr_schedule(tmp_path):
 
     trainer.host.register(Snapshot(), "snapshot")
     trainer.train()
-    recorder = trainer.host.get("hook_recorder")
-    post = [c for c in recorder.calls if c.hook == "post_step"]
-    assert [c.skipped for c in post] == [False, True, False]
+    assert log.skipped_steps() == [2]
     assert int(trainer.lr_scheduler.applied_steps) == 2  # 3 steps, one vetoed
     assert int(trainer.vetoes.total) == 1
 

@@ -105,7 +105,7 @@ def test_resolved_config_and_plugin_versions_written_at_start(recorded):
     config = json.loads((folder / "config.json").read_text())
     assert config["training"]["steps"] == 30  # the command-line override
     assert config["model"]["flavor"] == "tiny"
-    assert config["hook_recorder"] == {"output": "", "veto_steps": [3]}  # the plugin's section
+    assert config["hook_recorder"] == {"veto_steps": [3]}  # the plugin's section
     run = json.loads((folder / "run.json").read_text())
     assert run["plugins"] == {"hook_recorder": {"distribution": "plugtrain-hook-recorder 0.1.0"}}
     assert run["torch"] == torch.__version__ and run["world_size"] == 1

@@ -15,7 +15,7 @@ from plugtrain.host.plugin_host import PluginHost
 from plugtrain.observability import trace
 from plugtrain.observability.trace import HookTracer, format_summary, tracing_requested
 from plugtrain.plugin import StepContext, hookimpl, local_tensor
-from plugtrain.testing import tiny_args
+from plugtrain.testing import HookLog, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
 
@@ -145,26 +145,25 @@ def test_a_failing_implementation_is_traced_and_its_error_reaches_the_caller(tmp
 
 def test_a_traced_run_lists_every_hook_call_in_order(tmp_path, monkeypatch):
     monkeypatch.setenv(trace.ENV_VAR, "1")
-    config, host = configure(
-        [*tiny_args(tmp_path, steps=3), "--plugins.enabled", "hook_recorder",
-         "--training.grad_accum_steps", "2"]
-    )  # fmt: skip
+    config, host = configure([*tiny_args(tmp_path, steps=3), "--training.grad_accum_steps", "2"])
+    log = HookLog()
+    host.register(log, "hook_log")
     trainer = Trainer(config, host)
     trainer.train()
     trainer.close()
     calls, summary = read_trace(tmp_path)
-    recorder = trainer.host.get("hook_recorder")
-    seen = [(c.hook, c.step, c.microbatch) for c in recorder.calls]  # what the plugin saw
-    assert seen[:7] == [("setup", 0, 0), ("pre_backward", 1, 0), ("pre_backward", 1, 1),
-                        ("unscale_gradients", 1, 1), ("observe_gradients", 1, 1),
-                        ("post_backward", 1, 1), ("pre_step", 1, 1)]  # fmt: skip
+    seen = [(hook, step or 0, mb or 0) for hook, step, mb in log.calls]  # what the plugin saw
+    assert seen[:7] == [("wrap_model", 0, 0), ("compile_model", 0, 0), ("setup", 0, 0),
+                        ("loss_terms", 1, 0), ("pre_backward", 1, 0), ("loss_terms", 1, 1),
+                        ("pre_backward", 1, 1)]  # fmt: skip
     traced = [(c["hook"], c["step"] or 0, c["microbatch"] or 0) for c in calls]
-    assert traced == seen
-    assert all([p["plugin"] for p in c["plugins"]] == ["hook_recorder"] for c in calls)
-    counts = {hook: t["calls"] for hook, t in summary["plugins"]["hook_recorder"].items()}
+    assert traced == seen[2:]  # the tracer is installed once the model hooks have run
+    assert all([p["plugin"] for p in c["plugins"]] == ["hook_log"] for c in calls)
+    counts = {hook: t["calls"] for hook, t in summary["plugins"]["hook_log"].items()}
     assert counts == {
-        "setup": 1, "pre_backward": 6, "unscale_gradients": 3, "observe_gradients": 3,
-        "post_backward": 3, "pre_step": 3, "post_step": 3, "step_metrics": 3,
+        "setup": 1, "loss_terms": 6, "pre_backward": 6, "unscale_gradients": 3,
+        "observe_gradients": 3, "post_backward": 3, "pre_step": 3, "post_step": 3,
+        "step_metrics": 3,
     }  # fmt: skip
 
 
