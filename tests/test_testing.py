@@ -212,7 +212,7 @@ def pytest_collect_only(tmp_path, *options: str) -> tuple[str, set[str]]:
     (tmp_path / "probe" / "kit_probe.py").write_text(PROBE)
     (tmp_path / "empty").mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PLUGTRAIN_CACHE"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "probe"), *sys.path])
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "probe"), env.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "pytest", "--co", "-q", "-p", "kit_probe",
          *options],
