@@ -17,8 +17,8 @@ SCRIPTS = ("check_commit_msg", "new_plugin", "stack_check")
 
 
 def _load_scripts() -> None:
-    """Make ``import stack_check`` (and the others) work in tests, with no search-path edit:
-    each script is loaded from its file, in dependency order, into ``sys.modules``."""
+    """Make ``import stack_check`` (and the others) work in tests: each script is loaded from
+    its file, in dependency order, into ``sys.modules``, as scripts/ is not a package."""
     for name in SCRIPTS:
         spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
         assert spec is not None and spec.loader is not None, name
@@ -40,6 +40,12 @@ def _data_cache(plugtrain_cache: Path) -> None:
 def repo() -> Path:
     """The repository's root folder."""
     return REPO
+
+
+@pytest.fixture
+def train_py() -> Path:
+    """The repository's ``train.py``, the script a user runs."""
+    return REPO / "train.py"
 
 
 def _readme_command(repo: Path, label: str) -> str:

@@ -35,9 +35,6 @@ from plugtrain.testing import (
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN_PY = REPO / "train.py"
-
 # -- the scenarios, run in-process (a world of one) or on each rank by run_distributed --
 
 K = 4
@@ -262,10 +259,12 @@ def test_saves_on_schedule_and_keeps_the_latest_k(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))
 
 
-def test_crash_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path, reference):
+def test_crash_mid_save_resumes_from_the_previous_complete_checkpoint(
+    tmp_path, reference, train_py
+):
     # The crash: after writing its shard and DCP's .metadata, before the commit (rename).
     env = {FAULT_ENV: f"before_commit:{K}:0"}
-    crashed = run_script(TRAIN_PY, [*tiny_args(tmp_path, steps=2 * K), *CKPT], env=env)
+    crashed = run_script(train_py, [*tiny_args(tmp_path, steps=2 * K), *CKPT], env=env)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     folder = tmp_path / "checkpoints"
     assert sorted(os.listdir(folder)) == ["step-2", f"step-{K}.partial"]
@@ -279,11 +278,11 @@ def test_crash_mid_save_resumes_from_the_previous_complete_checkpoint(tmp_path, 
     assert_same_parameters(model_tensors(folder / "step-8"), reference["params"])
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path):
+def test_sigterm_saves_and_exits_zero(tmp_path, repo):
     args = [*tiny_args(tmp_path, steps=10_000), *CKPT, "--checkpoint.interval", "10000"]
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), *args],
-        stderr=subprocess.PIPE, text=True, cwd=REPO,
+        [sys.executable, str(repo / "train.py"), *args],
+        stderr=subprocess.PIPE, text=True, cwd=repo,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     lines = []
@@ -642,14 +641,16 @@ def test_a_two_process_checkpoint_resumes_on_one(two_ranks, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_after_kill_9_and_finishes_like_an_uninterrupted_run(two_ranks, tmp_path):
+def test_torchrun_restarts_after_kill_9_and_finishes_like_an_uninterrupted_run(
+    two_ranks, tmp_path, train_py
+):
     # Two crashes, each once: rank 1 dies while saving step 4 (its shard and DCP's metadata
     # written, the checkpoint not yet committed), then rank 0 dies after step 5.
     markers = tmp_path / "saving-killed", tmp_path / "step-killed"
     faults = f"before_commit:{K}:1:{markers[0]},after_step:{K + 1}:0:{markers[1]}"
     run = tmp_path / "run"
     result = run_script(
-        TRAIN_PY,
+        train_py,
         [*tiny_args(run, steps=2 * K), *CKPT],
         nproc=2,
         # NOTE: torch 2.13's agent keeps its rendezvous store across restarts, and restarted

@@ -23,9 +23,14 @@ from plugtrain.data.pipeline import (
 from plugtrain.data.prefetch import DevicePrefetcher
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError
-from plugtrain.testing import InMemoryStream, build_dataset, load_jsonl_texts, tokenize_documents
+from plugtrain.testing import (
+    SAMPLE,
+    InMemoryStream,
+    build_dataset,
+    load_jsonl_texts,
+    tokenize_documents,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 3
 
 
@@ -87,7 +92,7 @@ def test_load_jsonl_texts_empty_file(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_file(ROOT / "data" / "shakespeare" / "tokenizer.json")
+    return Tokenizer.from_file(SAMPLE / "tokenizer.json")
 
 
 def test_tokenize_documents_frames_each_document(tok: Tokenizer) -> None:
@@ -145,7 +150,7 @@ def test_build_dataset_names_a_file_too_small_for_one_sample(tmp_path: Path, tok
 
 
 def test_build_dataset_packs_the_validation_split(tok: Tokenizer) -> None:
-    path = ROOT / "data" / "shakespeare" / "validation.jsonl"
+    path = SAMPLE / "validation.jsonl"
     stream = tokenize_documents(load_jsonl_texts(path), tok)
     ds = build_dataset(path, "data.validation_path", tok, "text", 128)
     assert len(ds) == stream.numel() // 129

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from plugtrain.testing import (
@@ -14,9 +12,6 @@ from plugtrain.testing import (
     run_script,
     tiny_args,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-TRAIN_PY = REPO / "train.py"
 
 
 def veto_on_every_rank(dump_folder: str) -> dict:
@@ -43,11 +38,11 @@ def losses(dump_folder) -> list[float]:
     return [r["loss"] for r in read_metrics(dump_folder) if "loss" in r]
 
 
-def test_two_processes_match_one_process_of_the_same_global_batch(tmp_path):
+def test_two_processes_match_one_process_of_the_same_global_batch(tmp_path, train_py):
     args = ["--training.steps", "6", "--training.batch_size", "8"]
-    one = run_script(TRAIN_PY, [*tiny_args(tmp_path / "one"), *args])
+    one = run_script(train_py, [*tiny_args(tmp_path / "one"), *args])
     assert one.returncode == 0, one.stderr
-    two = run_script(TRAIN_PY, [*tiny_args(tmp_path / "two"), *args], nproc=2)
+    two = run_script(train_py, [*tiny_args(tmp_path / "two"), *args], nproc=2)
     assert two.returncode == 0, two.stderr
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert len(l1) == len(l2) == 6
@@ -56,8 +51,8 @@ def test_two_processes_match_one_process_of_the_same_global_batch(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_every_parameter_dtype_trains_on_two_processes(tmp_path, dtype):
-    result = run_script(TRAIN_PY,
+def test_every_parameter_dtype_trains_on_two_processes(tmp_path, dtype, train_py):
+    result = run_script(train_py,
         [*tiny_args(tmp_path, steps=12), "--training.mixed_precision_param", dtype,
          "--training.batch_size", "8", "--optimizer.lr", "0.01"],
         nproc=2,

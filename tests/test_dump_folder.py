@@ -20,9 +20,6 @@ from plugtrain.training.dump_folder import LOCK_FILE, claim_dump_folder
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN_PY = REPO / "train.py"
-
 FIX = "set job.dump_folder to a folder you can write to"
 
 
@@ -38,10 +35,10 @@ def locked_elsewhere(folder: Path) -> bool:
         os.close(fd)
 
 
-def test_a_dump_folder_that_is_a_file_is_one_line_and_exit_2(tmp_path):
+def test_a_dump_folder_that_is_a_file_is_one_line_and_exit_2(tmp_path, train_py):
     path = tmp_path / "run"
     path.write_text("not a folder")
-    result = run_script(TRAIN_PY, tiny_args(path))
+    result = run_script(train_py, tiny_args(path))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"plugtrain: error: job.dump_folder {path} is a file, not a folder: set job.dump_folder "
@@ -99,14 +96,14 @@ def test_a_read_only_dump_folder(tmp_path):
     )
 
 
-def test_a_second_run_in_a_folder_in_use_stops_and_touches_nothing(tmp_path):
+def test_a_second_run_in_a_folder_in_use_stops_and_touches_nothing(tmp_path, train_py):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
     lock = claim_dump_folder(tmp_path)  # the first run: this test's process
     try:
         about = json.loads((tmp_path / LOCK_FILE).read_text())
         assert (about["pid"], about["host"]) == (os.getpid(), socket.gethostname())
         before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-        result = run_script(TRAIN_PY, tiny_args(tmp_path))
+        result = run_script(train_py, tiny_args(tmp_path))
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().splitlines() == [
             f"plugtrain: error: job.dump_folder {tmp_path} is in use by another run (pid "
@@ -118,12 +115,12 @@ def test_a_second_run_in_a_folder_in_use_stops_and_touches_nothing(tmp_path):
         lock.release()
 
 
-def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
+def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path, repo):
     code = (
         "import os, signal, sys; from plugtrain.training.dump_folder import claim_dump_folder; "
         "claim_dump_folder(sys.argv[1]); os.kill(os.getpid(), signal.SIGKILL)"
     )
-    killed = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO)
+    killed = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=repo)
     assert killed.returncode == -9
     dead_pid = json.loads((tmp_path / LOCK_FILE).read_text())["pid"]
     assert dead_pid != os.getpid()

@@ -11,7 +11,6 @@ import math
 import re
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,6 @@ from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
 VALIDATION = SAMPLE / "validation.jsonl"
 
 PHASE_KEYS = ["time_data_s", "time_fwd_bwd_s", "time_hooks_s", "time_optimizer_s"]
@@ -35,7 +33,7 @@ STEP_KEYS = {
     "time_step_s", *PHASE_KEYS, "memory_gib", "skipped_steps",
 }  # fmt: skip
 TOKENS_PER_STEP = 4 * 32  # tiny_args: batch 4 x 32 tokens
-TOKENIZER = REPO / "data" / "shakespeare" / "tokenizer.json"
+TOKENIZER = SAMPLE / "tokenizer.json"
 
 
 def train(folder, *args: str, steps: int = 3) -> Trainer:
@@ -326,9 +324,9 @@ def test_all_ranks_option_logs_info_everywhere(capsys, restore_logger):
     assert re.fullmatch(r"\[rank 3\] \d\d:\d\d:\d\d INFO hello\n", capsys.readouterr().err)
 
 
-def test_a_new_run_moves_an_earlier_runs_metrics_aside(tmp_path):
+def test_a_new_run_moves_an_earlier_runs_metrics_aside(tmp_path, train_py):
     for steps in (2, 3):
-        result = run_script(REPO / "train.py", tiny_args(tmp_path, steps=steps))
+        result = run_script(train_py, tiny_args(tmp_path, steps=steps))
         assert result.returncode == 0, result.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     moved = (tmp_path / "metrics.1.jsonl").read_text().splitlines()

@@ -16,9 +16,6 @@ import torch.distributed.checkpoint as dcp
 from plugtrain.checkpoint.manager import complete_checkpoints
 from plugtrain.testing import make_trainer, read_metrics, run_script, tiny_args
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN_PY = REPO / "train.py"
-
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "10000")
 
 PLUGIN = '''
@@ -72,13 +69,13 @@ def raiser(tmp_path) -> dict[str, str]:
 
 
 def start_and_interrupt(
-    args: list[str], env: dict[str, str], gaps: tuple[float, ...]
+    train_py: Path, args: list[str], env: dict[str, str], gaps: tuple[float, ...]
 ) -> tuple[int, str]:
     """Start train.py; once it logged step 3, send it SIGINT after each of ``gaps`` seconds;
     return its exit status and stderr."""
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), *args],
-        stderr=subprocess.PIPE, text=True, cwd=REPO,
+        [sys.executable, str(train_py), *args],
+        stderr=subprocess.PIPE, text=True, cwd=train_py.parent,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env},
     )  # fmt: skip
     assert proc.stderr is not None
@@ -99,12 +96,12 @@ def start_and_interrupt(
 
 
 @pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints", "no-checkpoints"])
-def test_ctrl_c_stops_after_the_step_saves_and_exits_zero(tmp_path, raiser, checkpoints):
+def test_ctrl_c_stops_after_the_step_saves_and_exits_zero(tmp_path, raiser, checkpoints, train_py):
     extra = [*CKPT] if checkpoints else []
     # A slow step (0.3 s), so that the signal lands mid-run however busy the machine.
     env = {**raiser, "RAISER_SLEEP": "0.3"}
     args = [*tiny_args(tmp_path, steps=10_000), "--plugins.enabled", "raiser", *extra]
-    status, stderr = start_and_interrupt(args, env, gaps=(0,))
+    status, stderr = start_and_interrupt(train_py, args, env, gaps=(0,))
     assert status == 0, stderr
     last = read_metrics(tmp_path)[-1]["step"]  # flushed, up to the step it stopped after
     assert 3 <= last < 10_000
@@ -119,12 +116,12 @@ def test_ctrl_c_stops_after_the_step_saves_and_exits_zero(tmp_path, raiser, chec
         assert "checkpoint.enable is off" in stderr
 
 
-def test_a_second_ctrl_c_stops_at_once(tmp_path, raiser):
+def test_a_second_ctrl_c_stops_at_once(tmp_path, raiser, train_py):
     env = {**raiser, "RAISER_SLEEP": "2"}
     args = [*tiny_args(tmp_path, steps=10_000), "--plugins.enabled", "raiser", *CKPT]
     start = time.monotonic()
     # Both in step 4, which sleeps 2 s: the first alone would save after it.
-    status, stderr = start_and_interrupt(args, env, gaps=(0.5, 0.2))
+    status, stderr = start_and_interrupt(train_py, args, env, gaps=(0.5, 0.2))
     assert status == 130, stderr
     assert "Traceback" not in stderr
     assert stderr.rstrip().endswith(
@@ -149,12 +146,14 @@ def test_a_second_ctrl_c_during_a_save_is_a_keyboard_interrupt(tmp_path, monkeyp
     assert list(complete_checkpoints(tmp_path / "checkpoints")) == []
 
 
-def fail_on_rank_1(tmp_path: Path, raiser: dict[str, str], kind: str, **kw) -> tuple:
+def fail_on_rank_1(
+    train_py: Path, tmp_path: Path, raiser: dict[str, str], kind: str, **kw
+) -> tuple:
     """train.py on 2 processes, whose rank 1 raises in post_backward of step 5."""
     args = [*tiny_args(tmp_path, steps=10), "--plugins.enabled", "raiser"]
     start = time.monotonic()
     result = run_script(
-        TRAIN_PY,
+        train_py,
         args,
         nproc=2,
         timeout=150,
@@ -166,10 +165,10 @@ def fail_on_rank_1(tmp_path: Path, raiser: dict[str, str], kind: str, **kw) -> t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bug", "user"])
-def test_a_failure_on_one_rank_is_reported_and_ends_the_job(tmp_path, raiser, kind):
+def test_a_failure_on_one_rank_is_reported_and_ends_the_job(tmp_path, raiser, kind, train_py):
     # It used to hang: the failed rank waited in a barrier on its way out, the others in the
     # next step's all-reduce, and neither printed anything.
-    result, seconds = fail_on_rank_1(tmp_path, raiser, kind)
+    result, seconds = fail_on_rank_1(train_py, tmp_path, raiser, kind)
     assert result.returncode != 0
     if kind == "bug":
         assert "RuntimeError: boom at step 5" in result.stderr
@@ -180,9 +179,10 @@ def test_a_failure_on_one_rank_is_reported_and_ends_the_job(tmp_path, raiser, ki
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_the_group_after_a_failure_on_one_rank(tmp_path, raiser):
+def test_torchrun_restarts_the_group_after_a_failure_on_one_rank(tmp_path, raiser, train_py):
     attempts = tmp_path / "attempts"
     result, _ = fail_on_rank_1(
+        train_py,
         tmp_path,
         raiser,
         "bug",

@@ -13,9 +13,9 @@ import tokenizers
 from tokenizers import models, processors
 
 from plugtrain.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from plugtrain.testing import SAMPLE
 
-ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE_TOKENIZER = ROOT / "data" / "shakespeare" / "tokenizer.json"
+SHAKESPEARE_TOKENIZER = SAMPLE / "tokenizer.json"
 LINE = "To be, or not to be: that is the question:\n    Whether 'tis nobler in the mind to suffer"
 
 
@@ -94,13 +94,13 @@ def test_bos_is_optional(tmp_path: Path) -> None:
     assert (tok.bos_id, tok.eos_id) == (None, 0)
 
 
-def test_train_script_is_deterministic(tmp_path: Path) -> None:
+def test_train_script_is_deterministic(tmp_path: Path, repo: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text((json.dumps({"text": LINE}) + "\n") * 3)
     outputs = [tmp_path / "a.json", tmp_path / "b.json"]
     for out in outputs:
         subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "train_tokenizer.py"), "--input", str(corpus),
+            [sys.executable, str(repo / "scripts" / "train_tokenizer.py"), "--input", str(corpus),
              "--output", str(out), "--vocab-size", "300"],
             check=True, capture_output=True,
         )  # fmt: skip

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from pathlib import Path
 
 from plugtrain_grad_clip import GradClipConfig
 from plugtrain_grad_scaler import GradScalerConfig
@@ -17,21 +16,19 @@ from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
 
-REPO = Path(__file__).resolve().parents[1]
-TRAIN_PY = REPO / "train.py"
 VALIDATION = SAMPLE / "validation.jsonl"
 
 
-def test_short_run_writes_metrics_and_exits_zero(tmp_path):
-    result = run_script(TRAIN_PY, tiny_args(tmp_path, steps=2))
+def test_short_run_writes_metrics_and_exits_zero(tmp_path, train_py):
+    result = run_script(train_py, tiny_args(tmp_path, steps=2))
     assert result.returncode == 0, result.stderr
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == [1, 2]
     assert "step     2 | loss" in result.stderr
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path):
-    result = run_script(TRAIN_PY, [*tiny_args(tmp_path), "--training.stepz", "3"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, train_py):
+    result = run_script(train_py, [*tiny_args(tmp_path), "--training.stepz", "3"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "plugtrain: error: unknown config key 'training.stepz' (did you mean 'steps'?); "
@@ -41,22 +38,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_missing_data_file_is_one_line(tmp_path):
+def test_missing_data_file_is_one_line(tmp_path, train_py):
     result = run_script(
-        TRAIN_PY, [*tiny_args(tmp_path), "--data.train_path", str(tmp_path / "nope.jsonl")]
+        train_py, [*tiny_args(tmp_path), "--data.train_path", str(tmp_path / "nope.jsonl")]
     )
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "nope.jsonl" in line and "data.train_path" in line
 
 
-def test_a_validation_file_smaller_than_one_batch_stops_before_step_1(tmp_path):
+def test_a_validation_file_smaller_than_one_batch_stops_before_step_1(tmp_path, train_py):
     # 3 samples of seq_len 32, fewer than one batch of 4: found at start-up, not at step 50.
     text = json.loads(VALIDATION.read_text().splitlines()[0])["text"][:200]
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"text": text}) + "\n")
     args = ["--validation.interval", "50", "--data.validation_path", str(small)]
-    result = run_script(TRAIN_PY, [*tiny_args(tmp_path / "run", steps=60), *args])
+    result = run_script(train_py, [*tiny_args(tmp_path / "run", steps=60), *args])
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"plugtrain: error: data.validation_path '{small}' has 3 samples of seq_len=32, fewer "
@@ -76,9 +73,9 @@ def test_a_training_file_too_small_names_itself(tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_missing_tokenizer_suggests_an_example_that_exists_from_the_cwd(tmp_path):
+def test_missing_tokenizer_suggests_an_example_that_exists_from_the_cwd(tmp_path, train_py):
     args = [*tiny_args(tmp_path), "--model.tokenizer_path", "nope.json"]
-    result = run_script(TRAIN_PY, args, cwd=tmp_path)  # the shipped sample is not under tmp_path
+    result = run_script(train_py, args, cwd=tmp_path)  # the shipped sample is not under tmp_path
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert "tokenizer file 'nope.json' not found: set model.tokenizer_path" in line
@@ -87,13 +84,13 @@ def test_missing_tokenizer_suggests_an_example_that_exists_from_the_cwd(tmp_path
     assert (tmp_path / example[1]).is_file(), line
 
 
-def test_help_lists_every_section_and_field(tmp_path):
+def test_help_lists_every_section_and_field(tmp_path, train_py):
     plugins = {
         "grad_clip": GradClipConfig,
         "grad_scaler": GradScalerConfig,
         "hook_recorder": HookRecorderConfig,
     }
-    result = run_script(TRAIN_PY, ["--plugins.enabled", ",".join(plugins), "--help"])
+    result = run_script(train_py, ["--plugins.enabled", ",".join(plugins), "--help"])
     assert result.returncode == 0, result.stderr
     sections = {
         f.name: f.default_factory
@@ -111,8 +108,8 @@ def test_help_lists_every_section_and_field(tmp_path):
             assert len(documented) == 1, f"{section}.{field.name}"
 
 
-def test_help_shows_every_installed_plugin_marked_not_enabled():
-    result = run_script(TRAIN_PY, ["--help"])
+def test_help_shows_every_installed_plugin_marked_not_enabled(train_py):
+    result = run_script(train_py, ["--help"])
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     marked = "(installed, not enabled: add it to plugins.enabled)"
