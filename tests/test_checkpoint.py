@@ -96,12 +96,6 @@ def build(dump_folder: Path, *args: str, plugins: dict | None = None) -> Trainer
     return make_trainer(dump_folder, *args, steps=2 * K, plugins=list((plugins or {}).items()))
 
 
-def finish(trainer: Trainer) -> Trainer:
-    trainer.train()
-    trainer.close()
-    return trainer
-
-
 def sigterm_scenario(
     root: str, dtype: str, async_mode: str, sigterm_rank: int, extra: tuple[str, ...] = ()
 ) -> dict:
@@ -112,7 +106,8 @@ def sigterm_scenario(
     torch.set_num_threads(1)
     root_path = Path(root) / f"{dtype}-{async_mode}"
     args = ["--training.mixed_precision_param", dtype, *extra]
-    straight = finish(build(root_path / "straight", *args, plugins={"counter": StepCounter()}))
+    straight = build(root_path / "straight", *args, plugins={"counter": StepCounter()})
+    straight.run()
     ckpt = [
         *args,
         "--checkpoint.enable", "true",
@@ -120,18 +115,17 @@ def sigterm_scenario(
         "--checkpoint.async_mode", async_mode,
     ]  # fmt: skip
     resumed_folder = root_path / "resumed"
-    first = finish(
-        build(
-            resumed_folder,
-            *ckpt,
-            plugins={"counter": StepCounter(), "sigterm": SigtermAt(K, sigterm_rank)},
-        )
+    first = build(
+        resumed_folder,
+        *ckpt,
+        plugins={"counter": StepCounter(), "sigterm": SigtermAt(K, sigterm_rank)},
     )
+    first.run()
     saved_after_stop = sorted(p.name for p in (resumed_folder / "checkpoints").iterdir())
     plugins = {"counter": StepCounter(), "stateless": Stateless(), "dormant": Dormant()}
     second = build(resumed_folder, *ckpt, plugins=plugins)
     step_at_resume = second.step
-    finish(second)
+    second.run()
     result = {
         "stopped_at": first.step,
         "saved_after_stop": saved_after_stop,
@@ -176,7 +170,8 @@ def reference(tmp_path_factory) -> dict:
     torch.set_num_threads(1)
     try:
         folder = tmp_path_factory.mktemp("reference")
-        trainer = finish(build(folder))
+        trainer = build(folder)
+        trainer.run()
         return {"records": read_metrics(folder), "params": full_parameters(trainer)}
     finally:
         torch.set_num_threads(threads)
@@ -222,16 +217,17 @@ def test_a_save_before_the_first_optimizer_step_changes_nothing(tmp_path, refere
     # Step 1 vetoed: AdamW has no state yet when step-1 is saved. get_state_dict fills it by
     # taking a zero-lr step, which would shift AdamW's step count for the rest of the run.
     veto = ["--plugins.enabled", "hook_recorder", "--hook_recorder.veto_steps", "[1]"]
-    plain = finish(build(tmp_path / "plain", *veto))
+    plain = build(tmp_path / "plain", *veto)
+    plain.run()
     args = [*veto, *CKPT, "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "0"]
-    finish(build(tmp_path / "saved", *args))
+    build(tmp_path / "saved", *args).run()
     expected = steps_losses(read_metrics(tmp_path / "plain"))
     assert expected != steps_losses(reference["records"])  # the veto matters
     assert steps_losses(read_metrics(tmp_path / "saved")) == expected
     resume_at_1 = ("--checkpoint.load_step", "1", "--checkpoint.discard_later", "true")
     resumed = build(tmp_path / "saved", *args, *resume_at_1)
     assert resumed.step == 1 and not resumed.optimizer.state
-    finish(resumed)
+    resumed.run()
     assert steps_losses(read_metrics(tmp_path / "saved")) == expected
     assert_same_parameters(full_parameters(resumed), full_parameters(plain))
 
@@ -242,7 +238,7 @@ def test_resume_restores_rng_states(tmp_path):
     import numpy as np
 
     trainer = build(tmp_path, *CKPT, "--training.steps", "2")
-    finish(trainer)
+    trainer.run()
     expected = torch.rand(3), random.random(), np.random.rand()
     torch.manual_seed(123), random.seed(123), np.random.seed(123)
     build(tmp_path, *CKPT, "--training.steps", "2").close()
@@ -251,10 +247,10 @@ def test_resume_restores_rng_states(tmp_path):
 
 
 def test_saves_on_schedule_and_keeps_the_latest_k(tmp_path):
-    finish(build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "2", "--training.steps", "7"))
+    build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "2", "--training.steps", "7").run()
     folder = tmp_path / "checkpoints"
     assert sorted(os.listdir(folder)) == ["step-6", "step-7"]  # 2, 4, 6 by interval, 7 the last
-    finish(build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "0", "--training.steps", "8"))
+    build(tmp_path, *CKPT, "--checkpoint.keep_latest_k", "0", "--training.steps", "8").run()
     assert list(complete_checkpoints(folder)) == [6, 7, 8]
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 9))
 
@@ -271,7 +267,7 @@ def test_crash_mid_save_resumes_from_the_previous_complete_checkpoint(
     assert (folder / f"step-{K}.partial" / ".metadata").is_file()  # looks complete to DCP
     resumed = build(tmp_path, *CKPT)
     assert resumed.step == 2
-    finish(resumed)
+    resumed.run()
     assert sorted(os.listdir(folder)) == ["step-4", "step-6", "step-8"]  # the partial is gone
     assert steps_losses(read_metrics(tmp_path)) == steps_losses(reference["records"])
     assert_same_parameters(full_parameters(resumed), reference["params"])
@@ -318,7 +314,9 @@ def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
 
 
 def saved_run(tmp_path, *args: str) -> Trainer:
-    return finish(build(tmp_path, *CKPT, "--training.steps", "4", *args))
+    trainer = build(tmp_path, *CKPT, "--training.steps", "4", *args)
+    trainer.run()
+    return trainer
 
 
 def resume_error(tmp_path, *args: str) -> str:
@@ -386,7 +384,7 @@ def test_resuming_before_later_checkpoints_is_refused_unless_discarded(tmp_path,
     resumed = build(tmp_path, *CKPT, *requeued, "--training.steps", "4", *discard)
     assert resumed.step == 2
     assert "deleted step-3, step-4 (checkpoint.discard_later)" in capsys.readouterr().err
-    finish(resumed)
+    resumed.run()
     assert list(complete_checkpoints(tmp_path / "checkpoints")) == [1, 2, 3, 4]
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
@@ -395,14 +393,11 @@ def test_a_save_never_replaces_a_complete_checkpoint(tmp_path):
     trainer = build(tmp_path, *CKPT, "--training.steps", "4")
     # Another run, writing to the same folder meanwhile, has saved the step this one will.
     foreign = tmp_path / "checkpoints" / "step-2"
-    finish(build(tmp_path / "other", *CKPT, "--training.steps", "2"))
+    build(tmp_path / "other", *CKPT, "--training.steps", "2").run()
     shutil.copytree(tmp_path / "other" / "checkpoints" / "step-2", foreign)
     (foreign / "mark").touch()
-    try:
-        with pytest.raises(CheckpointError, match=r"cannot save \S+step-2: a complete checkpoint"):
-            trainer.train()
-    finally:
-        trainer.close()
+    with pytest.raises(CheckpointError, match=r"cannot save \S+step-2: a complete checkpoint"):
+        trainer.run()
     assert (foreign / "mark").is_file()
 
 
@@ -431,7 +426,7 @@ def test_extending_a_finished_run_keeps_its_lr_schedule_and_says_so(tmp_path, ca
     planned = json.loads((tmp_path / "checkpoints" / "step-4" / "config.json").read_text())
     assert planned["training"]["steps"] == 4
     capsys.readouterr()
-    finish(build(tmp_path, *CKPT, "--training.steps", "6", "--job.description", "longer"))
+    build(tmp_path, *CKPT, "--training.steps", "6", "--job.description", "longer").run()
     lr = {r["step"]: r["lr"] for r in read_metrics(tmp_path)}
     assert list(lr) == [1, 2, 3, 4, 5, 6]
     assert lr[4] > lr[5] == lr[6] == pytest.approx(3e-3 * 0.1)  # decayed to the end, no jump
@@ -516,11 +511,7 @@ def test_refusal_through_train_py_is_one_line_and_exit_2(tmp_path, capsys):
 
 def train_py_main(argv: list[str]) -> None:
     """What train.py's main does, in this process."""
-    trainer = Trainer(*configure(argv))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    Trainer(*configure(argv)).run()
 
 
 def save_failure(capsys, folder, argv: list[str]) -> str:
@@ -630,7 +621,7 @@ def test_a_two_process_checkpoint_resumes_on_one(two_ranks, tmp_path):
     assert trainer.step == K
     loaded = full_parameters(trainer)
     assert_same_parameters(loaded, model_tensors(source))  # resharded bit for bit
-    finish(trainer)
+    trainer.run()
     got = read_metrics(tmp_path)
     expected = [r for r in two["straight_records"] if r["step"] > K]
     assert (

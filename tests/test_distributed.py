@@ -26,8 +26,7 @@ def veto_on_every_rank(dump_folder: str) -> dict:
         plugins=[("watcher", watcher)],
     )
     watcher.trainer = trainer
-    trainer.train()
-    trainer.close()
+    trainer.run()
     return {"changed": watcher.changed, "lr_steps": watcher.lr_steps, "rank": trainer.world.rank}
 
 

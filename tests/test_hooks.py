@@ -33,7 +33,7 @@ def test_exact_hook_sequence(tmp_path, accum):
     trainer = make_trainer(
         tmp_path, "--training.grad_accum_steps", str(accum), plugins=[("log", log)]
     )
-    trainer.train()
+    trainer.run()
     assert log.calls == expected_calls(3, accum)
     assert log.skipped_steps() == []
 
@@ -74,7 +74,7 @@ def test_step_context_contents_and_loss_replacement(tmp_path):
         plugins=[("probe", probe)], steps=2,
     )  # fmt: skip
     before = [full_tensor(p.detach()).clone() for p in trainer.model.parameters()]
-    trainer.train()
+    trainer.run()
     assert probe.seen == ["pre_backward"] * 2 + ["post_backward", "post_step"] * 1 + [
         "pre_backward"
     ] * 2 + ["post_backward", "post_step"]
@@ -111,7 +111,7 @@ def test_veto_skips_optimizer_and_lr_schedule(tmp_path):
             assert applied == lrs[ctx.step] + (0 if ctx.skipped else 1)
 
     trainer.host.register(Snapshot(), "snapshot")
-    trainer.train()
+    trainer.run()
     assert log.skipped_steps() == [2]
     assert int(trainer.lr_scheduler.applied_steps) == 2  # 3 steps, one vetoed
     assert int(trainer.vetoes.total) == 1
@@ -156,8 +156,7 @@ def run_in_order(tmp_path, order: tuple[str, ...], probe: NormReader, *args: str
     for name in order:
         host.register(plugins[name], name)
     trainer = Trainer(config, host)
-    trainer.train()
-    trainer.close()
+    trainer.run()
     return trainer
 
 
@@ -217,7 +216,7 @@ def test_deactivated_plugin_never_fires_again(tmp_path):
 
     trainer = make_trainer(tmp_path, plugins=[("inactive", Inactive())], steps=2)
     assert "inactive" not in trainer.host.names()
-    trainer.train()
+    trainer.run()
     assert Inactive.fired == 0
 
 
@@ -263,7 +262,7 @@ def test_a_device_veto_skips_without_a_reason_and_counts_for_its_plugin(tmp_path
             return torch.tensor(ctx.step % 2 == 0)
 
     trainer = make_trainer(tmp_path, plugins=[("even", SkipEven())], steps=4)
-    trainer.train()
+    trainer.run()
     assert int(trainer.vetoes.total) == 2 and int(trainer.vetoes.by_plugin["even"]) == 2
     assert int(trainer.lr_scheduler.applied_steps) == 2
     records = read_metrics(tmp_path)

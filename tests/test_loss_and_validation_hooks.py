@@ -50,8 +50,7 @@ class ConstantTerm:
 
 def train(folder, *args, plugins=(), steps=3):
     trainer = make_trainer(folder, *args, steps=steps, plugins=plugins)
-    trainer.train()
-    trainer.close()
+    trainer.run()
     return trainer
 
 

@@ -131,13 +131,10 @@ def test_plugin_under_another_entry_point_name_finds_its_config(monkeypatch, tmp
     with pytest.raises(ConfigError, match=r"config key 'clip\.max_norm' must be finite and > 0"):
         configure([*tiny_args(tmp_path), "--plugins.enabled", "clip", "--clip.max_norm", "0"])
     trainer = Trainer(config, host)
-    try:
-        trainer.train()
-        plugin = host.get("clip")
-        assert plugin.name == "clip" and plugin.config.max_norm == 0.25
-        assert set(read_metrics(tmp_path)[0]) >= {"clip/grad_norm", "clip/clipped"}
-    finally:
-        trainer.close()
+    trainer.run()
+    plugin = host.get("clip")
+    assert plugin.name == "clip" and plugin.config.max_norm == 0.25
+    assert set(read_metrics(tmp_path)[0]) >= {"clip/grad_norm", "clip/clipped"}
 
 
 @pytest.fixture
@@ -233,8 +230,7 @@ def test_installed_distribution_is_discovered_enabled_and_fires(third_party, tmp
     assert (tp_on.distribution, tp_on.version) == ("plugtrain-tp_on", "1.2.3")
     config, host = configure([*tiny_args(tmp_path / "run", steps=2), "--plugins.enabled", "tp_on"])
     trainer = Trainer(config, host)
-    trainer.train()
-    trainer.close()
+    trainer.run()
     assert sys.modules["plugtrain_tp_on"].FIRED == [1, 2]
     assert "plugtrain_tp_off" not in sys.modules  # installed, not enabled: never imported
 

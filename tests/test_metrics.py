@@ -40,10 +40,7 @@ def train(folder, *args: str, steps: int = 3) -> Trainer:
     """Train the tiny model in this process (see runs.tiny_args); returns the closed trainer."""
     config, host = configure([*tiny_args(folder, steps=steps), *args])
     trainer = Trainer(config, host)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    trainer.run()
     return trainer
 
 

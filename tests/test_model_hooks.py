@@ -56,8 +56,7 @@ def test_wrappers_run_before_the_compiler_whatever_the_registration_order(tmp_pa
         tmp_path, "--training.mixed_precision_param", "bfloat16", plugins=plugins
     )
     assert log == [("wrap", "meta", 2), ("compile", True, "cpu", torch.bfloat16, 1)]
-    trainer.train()
-    trainer.close()
+    trainer.run()
     assert dict(plugins)["compiler"].calls == 3 * 2  # 3 steps, 2 blocks
 
 
@@ -68,8 +67,7 @@ def test_a_wrapped_model_trains_to_the_same_parameters_with_the_same_names(tmp_p
     assert [name for name, _ in wrapped.model.named_parameters()] == names
     assert list(wrapped.model.state_dict()) == list(plain.model.state_dict())
     for trainer in (plain, wrapped):
-        trainer.train()
-        trainer.close()
+        trainer.run()
     assert parameter_checksums(wrapped.model) == parameter_checksums(plain.model)
 
 

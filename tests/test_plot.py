@@ -51,8 +51,7 @@ def test_plot_command_writes_a_png_from_two_runs(tmp_path, capsys):
          "--validation.steps", "1", "--data.validation_path", str(VALIDATION)]
     )  # fmt: skip
     trainer = Trainer(config, host)
-    trainer.train()
-    trainer.close()
+    trainer.run()
     synthetic_run(tmp_path / "synthetic")
     out = tmp_path / "plots" / "loss.png"
     assert cli.main(["plot", str(real), str(tmp_path / "synthetic"), "-o", str(out)]) == 0

@@ -149,8 +149,7 @@ def test_a_traced_run_lists_every_hook_call_in_order(tmp_path, monkeypatch):
     log = HookLog()
     host.register(log, "hook_log")
     trainer = Trainer(config, host)
-    trainer.train()
-    trainer.close()
+    trainer.run()
     calls, summary = read_trace(tmp_path)
     seen = [(hook, step or 0, mb or 0) for hook, step, mb in log.calls]  # what the plugin saw
     assert seen[:7] == [("wrap_model", 0, 0), ("compile_model", 0, 0), ("setup", 0, 0),
@@ -176,8 +175,7 @@ def test_tracing_off_installs_nothing_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(HookTracer, "__init__", refuse)
     config, host = configure([*tiny_args(tmp_path, steps=2), "--plugins.enabled", "hook_recorder"])
     trainer = Trainer(config, host)
-    trainer.train()
-    trainer.close()
+    trainer.run()
     recorder = trainer.host.get("hook_recorder")
     for hook_name in host.hook_names():
         for impl in getattr(host.hook, hook_name).get_hookimpls():
@@ -278,8 +276,7 @@ def test_trace_counts_each_plugins_syncs_and_collectives(tmp_path, monkeypatch):
     for name, plugin in plugins.items():
         host.register(plugin, name)
     trainer = Trainer(config, host)
-    trainer.train()
-    trainer.close()
+    trainer.run()
     calls, summary = read_trace(tmp_path)
 
     def costs(plugin: str, hook: str) -> tuple[int, int, int]:

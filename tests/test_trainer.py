@@ -16,8 +16,7 @@ from plugtrain.training.trainer import Trainer
 
 def train(dump_folder, *args: str, steps: int = 4) -> list[dict]:
     trainer = Trainer(*configure([*tiny_args(dump_folder, steps=steps), *args]))
-    trainer.train()
-    trainer.close()
+    trainer.run()
     return read_metrics(dump_folder)
 
 

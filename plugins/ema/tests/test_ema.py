@@ -87,8 +87,7 @@ def averages_against_the_reference(folder: str) -> dict:
         "--hook_recorder.veto_steps", "[4]",
         steps=6, plugins=[(NAME, ema), ("reference", reference)],
     )  # fmt: skip
-    trainer.train()
-    trainer.close()
+    trainer.run()
     # Shaped like the parameters: DTensors with their placements where the model is sharded
     # (any two processes), plain tensors where it is not (one float32 process).
     for average, param in zip(ema.average.values(), ema.params, strict=True):
@@ -151,8 +150,7 @@ def test_validation_on_the_average_equals_a_model_loaded_from_the_export(tmp_pat
     checkpoints = ("--checkpoint.enable", "true", "--checkpoint.interval", "3")
     trainer = make_trainer(tmp_path / "run", *ENABLED, *SCHEDULE, *VALIDATION, *checkpoints,
                            steps=3)  # fmt: skip
-    trainer.train()
-    trainer.close()
+    trainer.run()
     [record] = [r for r in read_metrics(tmp_path / "run") if "validation_loss" in r]
     assert set(record) == {"step", "validation_loss", "ema/validation_loss"}
     assert record["ema/validation_loss"] != record["validation_loss"]
@@ -176,8 +174,7 @@ def test_after_an_async_save_the_export_holds_the_average_of_its_step(tmp_path):
         args = ("--checkpoint.enable", "true", "--checkpoint.interval", "2",
                 "--checkpoint.async_mode", mode)  # fmt: skip
         trainer = make_trainer(tmp_path / mode, *ENABLED, "--ema.decay", "0.5", *args, steps=4)
-        trainer.train()
-        trainer.close()
+        trainer.run()
         exports[mode] = {s: tmp_path / mode / "checkpoints" / f"step-{s}" / NAME for s in (2, 4)}
     fresh = make_trainer(tmp_path / "fresh")
     loaded = {}

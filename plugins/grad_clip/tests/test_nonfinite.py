@@ -60,8 +60,7 @@ def skip_nonfinite_on_every_rank(dump_folder: str) -> dict:
     )  # fmt: skip
     watcher.trainer = trainer
     logs = LogCapture()
-    trainer.train()
-    trainer.close()
+    trainer.run()
     return {
         "rank": trainer.world.rank,
         "changed": watcher.changed,
@@ -96,7 +95,7 @@ def test_raise_names_the_step_and_the_fix(tmp_path, clip_args):
         match=r"^grad_clip: the total gradient norm at step 2 is not finite: .* set "
         r"grad_clip.on_nonfinite = 'skip' to skip such steps\)$",
     ):
-        trainer.train()  # log_freq 1: raised at step 2's logging, the first read of the device
+        trainer.run()  # log_freq 1: raised at step 2's logging, the first read of the device
     assert trainer.step == 2 and int(trainer.vetoes.total) == 1  # step 2 was skipped, too
     assert not all(
         torch.equal(a, full_tensor(p.detach()))
@@ -114,6 +113,6 @@ def test_left_to_the_loss_scaler_when_one_is_enabled(tmp_path, clip_args, scaler
         tmp_path, *clip_args(1.0, "--grad_clip.on_nonfinite", "raise"),
         plugins=order if scaler_setup_first else order[::-1],
     )  # fmt: skip
-    trainer.train()  # no FloatingPointError: the scaler owns non-finite gradients
+    trainer.run()  # no FloatingPointError: the scaler owns non-finite gradients
     assert injector.skip_reasons == {1: [], 2: ["inf_injector: inf gradients"], 3: []}
     assert int(trainer.vetoes.total) == 1

@@ -21,8 +21,7 @@ BATCH = ("--training.batch_size", "8")
 def train_and_gather(dump_folder: str, args: list[str], steps: int) -> dict[str, torch.Tensor]:
     """Run on each rank: train a tiny run; return its full parameters, by name."""
     trainer = make_trainer(dump_folder, *args, steps=steps)
-    trainer.train()
-    trainer.close()
+    trainer.run()
     return {n: full_tensor(p.detach()).clone() for n, p in trainer.model.named_parameters()}
 
 

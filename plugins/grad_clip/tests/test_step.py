@@ -30,16 +30,16 @@ def test_computes_and_clips_once_per_optimizer_step(tmp_path, monkeypatch, accum
     trainer = make_trainer(
         tmp_path, *clip_args(0.1), "--training.grad_accum_steps", str(accum), steps=3
     )
-    trainer.train()
+    trainer.run()
     assert calls == {"get_total_norm": 3, "clip_grads_with_norm_": 3}
     assert [r["grad_clip/clipped"] for r in read_metrics(tmp_path)] == [1.0, 1.0, 1.0]
 
 
 def test_below_max_norm_changes_nothing(tmp_path, clip_args):
     plain = make_trainer(tmp_path / "plain", steps=2)
-    plain.train()
+    plain.run()
     clip = make_trainer(tmp_path / "clip", *clip_args(1e6), steps=2)
-    clip.train()
+    clip.run()
     records = read_metrics(tmp_path / "clip")
     assert [r["grad_clip/clipped"] for r in records] == [0.0, 0.0]
     assert all(0 < r["grad_clip/grad_norm"] < 1e6 for r in records)
@@ -64,7 +64,7 @@ class LossScalerStandIn:
 @pytest.mark.parametrize("scaler_first", [True, False])
 def test_clips_unscaled_gradients_in_both_registration_orders(tmp_path, scaler_first, clip_args):
     plain = make_trainer(tmp_path / "plain", *clip_args(0.1), steps=3)
-    plain.train()
+    plain.run()
     order = [("scaler", LossScalerStandIn()), ("grad_clip", None)]
     scaled = make_trainer(
         tmp_path / "scaled",
@@ -72,7 +72,7 @@ def test_clips_unscaled_gradients_in_both_registration_orders(tmp_path, scaler_f
         plugins=order if scaler_first else order[::-1],
         steps=3,
     )
-    scaled.train()
+    scaled.run()
     norms = [r["grad_clip/grad_norm"] for r in read_metrics(tmp_path / "scaled")]
     assert norms == pytest.approx(
         [r["grad_clip/grad_norm"] for r in read_metrics(tmp_path / "plain")]
@@ -86,7 +86,7 @@ def test_installed_but_not_enabled_is_never_imported(tmp_path, monkeypatch, clip
     installed = entry_points(group="plugtrain.plugins", name="grad_clip")
     assert {ep.dist.name for ep in installed if ep.dist} == {"plugtrain-grad-clip"}
     monkeypatch.delitem(sys.modules, "plugtrain_grad_clip", raising=False)
-    make_trainer(tmp_path / "off", "--plugins.enabled", "hook_recorder", steps=1).train()
+    make_trainer(tmp_path / "off", "--plugins.enabled", "hook_recorder", steps=1).run()
     assert "plugtrain_grad_clip" not in sys.modules
     make_trainer(tmp_path / "on", *clip_args(1.0), steps=1)
     assert "plugtrain_grad_clip" in sys.modules

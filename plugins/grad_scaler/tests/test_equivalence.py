@@ -79,7 +79,7 @@ def check_against_reference(
         *(("--grad_clip.max_norm", str(MAX_NORM)) if clip else ()), steps=STEPS, plugins=order,
     )  # fmt: skip
     assert [n for n in trainer.host.names() if n.startswith("grad_")] == enabled.split(",")
-    trainer.train()
+    trainer.run()
     reference, ref_scales, ref_norms = reference_loop(tmp_path / "reference", clip)
 
     records = read_metrics(tmp_path / "plugin")

@@ -74,8 +74,7 @@ def run_with_infs(tmp_path, *args: str, steps: int, inf_steps=()) -> tuple[Train
         tmp_path, *FP16, *ENABLE, *args, steps=steps,
         plugins=[("inject", InjectInf(inf_steps))],
     )  # fmt: skip
-    trainer.train()
-    trainer.close()
+    trainer.run()
     return trainer, read_metrics(tmp_path)
 
 
@@ -114,7 +113,7 @@ def test_state_dict_round_trip_restores_scale_and_growth_tracker(tmp_path):
     plugin.load_state_dict(state)
     assert plugin.state_dict() == state
     assert plugin.skipped_steps == 2
-    resumed.train()
+    resumed.run()
     # The restored tracker makes the first clean step the second of the interval: growth.
     assert read_metrics(tmp_path / "b")[-1]["grad_scaler/loss_scale"] == 256 * 4
 
@@ -128,5 +127,5 @@ def test_resume_of_a_bfloat16_checkpoint_into_float16_starts_at_init_scale(tmp_p
         tmp_path / "fp16", *FP16, *ENABLE, "--grad_scaler.init_scale", "512", steps=1
     )
     fp16.host.get("grad_scaler").load_state_dict({})  # tolerated all the same
-    fp16.train()
+    fp16.run()
     assert read_metrics(tmp_path / "fp16")[-1]["grad_scaler/loss_scale"] == 512

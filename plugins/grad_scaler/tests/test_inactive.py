@@ -29,8 +29,7 @@ def profiled_run(dump_folder: str | Path, dtype: str, *args: str) -> tuple[Train
             *args, steps=PROFILED_STEPS,
         )  # fmt: skip
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        trainer.train()
-    trainer.close()
+        trainer.run()
     return trainer, Counter(e.name for e in prof.events())
 
 

@@ -44,8 +44,7 @@ def inf_on_one_rank(dump_folder: str) -> dict:
         plugins=[("inject", InjectInf(steps={2}, ranks={1})), ("watcher", watcher)],
     )  # fmt: skip
     watcher.trainer = trainer
-    trainer.train()
-    trainer.close()
+    trainer.run()
     return {
         "rank": trainer.world.rank,
         "params_changed": watcher.changed,
