@@ -49,14 +49,14 @@ class ContextProbe:
     def pre_backward(self, ctx: StepContext) -> None:
         assert ctx.loss is not None and ctx.loss.requires_grad and ctx.loss.ndim == 0
         assert ctx.num_microbatches == 2
-        assert all(p.grad is None for p in ctx.parameters()) or ctx.microbatch > 0
+        assert all(p.grad is None for p in ctx.params) or ctx.microbatch > 0
         ctx.loss = ctx.loss * 0.0  # replacing the loss changes what backward sees...
         self.seen.append("pre_backward")
 
     @hookimpl
     def post_backward(self, ctx: StepContext) -> None:
         grads = ctx.gradients()
-        assert len(grads) == len(list(ctx.parameters()))
+        assert len(grads) == len(ctx.params)
         # ...so every gradient is zero, and the step does nothing.
         assert all(torch.count_nonzero(full_tensor(g)) == 0 for g in grads)
         self.seen.append("post_backward")
@@ -97,14 +97,14 @@ def test_veto_skips_optimizer_and_lr_schedule(tmp_path):
     class Snapshot:
         @hookimpl
         def pre_step(self, ctx):
-            params[ctx.step] = [full_tensor(p.detach()).clone() for p in ctx.parameters()]
+            params[ctx.step] = [full_tensor(p.detach()).clone() for p in ctx.params]
             lrs[ctx.step] = int(trainer.lr_scheduler.applied_steps)
 
         @hookimpl
         def post_step(self, ctx):
             same = all(
                 torch.equal(a, full_tensor(p.detach()))
-                for a, p in zip(params[ctx.step], ctx.parameters(), strict=True)
+                for a, p in zip(params[ctx.step], ctx.params, strict=True)
             )
             assert same == bool(ctx.skipped), f"step {ctx.step}: parameters changed={not same}"
             applied = int(trainer.lr_scheduler.applied_steps)

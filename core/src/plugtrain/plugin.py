@@ -7,7 +7,7 @@ hooks themselves, with when each fires and what it may change, are declared and 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -39,7 +39,6 @@ __all__ = [
     "ValidationContext",
     "check_field",
     "full_tensor",
-    "gradients",
     "hookimpl",
     "local_tensor",
     "total_norm",
@@ -209,12 +208,12 @@ class StepContext:
     control: RunControl = field(default_factory=lambda: RunControl())
     """The run's :class:`RunControl`, for requests decided on the host (skips, rewinds)."""
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The model's parameters (FSDP2 DTensors, sharded over the mesh)."""
-        return iter(self.params)
-
     def gradients(self) -> list[torch.Tensor]:
-        """The gradients of this rank's parameters that have one (see :func:`gradients`)."""
+        """The ``.grad`` of every parameter that has one, in :attr:`params` order.
+
+        Under FSDP2 these are DTensor shards; reduce over them with DTensor ops (or
+        :func:`local_tensor` plus an explicit collective) to get global quantities.
+        """
         return [p.grad for p in self.params if p.grad is not None]
 
 
@@ -256,15 +255,6 @@ class ValidationContext:
     """In ``post_validation``: the pass's mean loss, over the validation batches and ranks."""
 
 
-def gradients(model: nn.Module) -> list[torch.Tensor]:
-    """Return the ``.grad`` of every parameter that has one, in parameter order.
-
-    Under FSDP2 these are DTensor shards; reduce over them with DTensor ops (or
-    :func:`local_tensor` plus an explicit collective) to get global quantities.
-    """
-    return [p.grad for p in model.parameters() if p.grad is not None]
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole of ``t``: ``full_tensor()`` of a DTensor (a collective), ``t`` itself otherwise."""
     gather = getattr(t, "full_tensor", None)
@@ -290,9 +280,7 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Ten
     """
     # On DTensor gradients the norm is a DTensor that may still be partial over ranks
     # (Partial(max) for inf): full_tensor() all-reduces it into the global norm.
-    norm = torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True)
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else norm
+    return full_tensor(torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True))
 
 
 # --------------------------------------------------------------------------- run control
@@ -331,7 +319,7 @@ class Rewind:
 class RunControl:
     """Requests that a plugin makes of the run, decided on the host: skip data, rewind, stop.
 
-    Both take effect at the end of the step that asks (after its checkpoint, if one is due),
+    All three take effect at the end of the step that asks (after its checkpoint, if one is due),
     identically on every rank: a plugin must decide them from values that are the same on
     every rank and read on the same step (on logging steps, for instance), never from a
     per-step host read. Skipped batch ranges are the run's state: written atomically to

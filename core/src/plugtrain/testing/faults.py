@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from plugtrain.plugin import SetupContext, StepContext, gradients, hookimpl, local_tensor
+from plugtrain.plugin import SetupContext, StepContext, hookimpl, local_tensor
 from plugtrain.testing.runs import Plugins, make_trainer, parameter_checksums, read_metrics
 
 
@@ -65,7 +65,8 @@ class InjectInf:
 
 def poison(model: nn.Module, value: float = math.inf) -> None:
     """Write ``value`` (inf, nan) into this rank's shard of the model's first gradient."""
-    local_tensor(gradients(model)[0]).view(-1)[0] = value
+    first = next(p.grad for p in model.parameters() if p.grad is not None)
+    local_tensor(first).view(-1)[0] = value
 
 
 class SigtermAt:

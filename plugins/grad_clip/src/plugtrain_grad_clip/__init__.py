@@ -71,7 +71,7 @@ class GradClip:
 
     @hookimpl
     def post_backward(self, ctx: StepContext) -> None:
-        params = [p for p in ctx.parameters() if p.grad is not None]
+        params = [p for p in ctx.params if p.grad is not None]
         grads = [p.grad for p in params]
         # NOTE: FSDP2 keeps the sharded parameters, hence their gradients, in fp32 whatever
         # training.mixed_precision_param says (it casts only the unsharded copies used in
