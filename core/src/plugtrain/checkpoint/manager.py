@@ -81,8 +81,6 @@ CONFIG = "config.json"
 """The file of a checkpoint folder that holds the resolved config of the run that saved it."""
 _STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL, _DELETING = ".partial", ".deleting"
-_SCHEDULE_STEPS = "lr_scheduler.total_steps"
-"""The LR schedule's planned length: checkpoints of older plugtrain versions lack it."""
 
 
 # --------------------------------------------------------------------------- the folder
@@ -542,11 +540,8 @@ class CheckpointManager:
             optimizer_state=any(key.startswith("optimizer.state.") for key in saved),
         )
         storable = self._storable(template)
-        old_format = _SCHEDULE_STEPS not in saved
-        if old_format:  # saved before schedules kept their length: this run's one applies
-            del storable["lr_scheduler"][_SCHEDULE_STEPS.split(".")[1]]
         self._check(path, saved, flat_keys(storable), template["plugins"])
-        self._check_settings(path, old_format)
+        self._check_settings(path)
         try:
             dcp.load(
                 storable,
@@ -636,20 +631,10 @@ class CheckpointManager:
                     "loads: use a checkpoint written by plugtrain"
                 )
 
-    def _check_settings(self, path: Path, old_format: bool) -> None:
+    def _check_settings(self, path: Path) -> None:
         """Refuse, with one line, a resume that changes a setting the run must keep."""
         try:
             saved = json.loads((path / CONFIG).read_text())
-        except FileNotFoundError:
-            if self.world.is_main:
-                logger.warning(
-                    "checkpoint %s has no %s (saved by an older plugtrain): this run's settings "
-                    "are not checked against it%s",
-                    path,
-                    CONFIG,
-                    ", and the LR schedule spans this run's training.steps" if old_format else "",
-                )
-            return
         except (OSError, ValueError) as e:
             raise CheckpointError(
                 f"checkpoint {path} is damaged: cannot read its {CONFIG} ({one_line(e)}); delete "
