@@ -129,6 +129,16 @@ def test_up_to_date_folder_is_not_redone(
     assert _prepare([source], tmp_path / "out", shard_tokens=1 << 28).written
 
 
+@pytest.mark.parametrize(
+    ("arg", "name"),
+    [("workers", "--workers"), ("shard_tokens", "--shard-tokens"), ("chunk_bytes", "chunk_bytes")],
+)
+def test_a_size_below_1_is_refused_naming_it(tmp_path: Path, corpus: Path, arg: str, name: str):
+    with pytest.raises(DataError, match=rf"^{name} must be >= 1, got -1$"):
+        _prepare([corpus], tmp_path / "val", **{arg: -1})
+    assert not (tmp_path / "val").exists()
+
+
 def test_disk_full_removes_the_partial_folder_and_keeps_the_old_one(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, prepared: Path, corpus: Path
 ) -> None:
@@ -140,7 +150,7 @@ def test_disk_full_removes_the_partial_folder_and_keeps_the_old_one(
             raise OSError(errno.ENOSPC, "No space left on device")
         f.write(data)
 
-    monkeypatch.setattr(prepare_module, "write_bytes", full)
+    monkeypatch.setattr(prepare_module, "_write_bytes", full)
     before = {p.name: p.read_bytes() for p in prepared.iterdir()}
     with pytest.raises(DataError, match=r"^disk full while preparing .*val.* free space") as e:
         _prepare([corpus], prepared, shard_tokens=5000)
@@ -157,7 +167,7 @@ def test_interrupted_prepare_leaves_nothing_and_a_leftover_partial_is_replaced(
     def interrupt(f, data: bytes) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_module, "write_bytes", interrupt)
+    monkeypatch.setattr(prepare_module, "_write_bytes", interrupt)
     with pytest.raises(KeyboardInterrupt):
         _prepare([corpus], out)
     assert not out.exists() and not out.with_name("val.partial").exists()

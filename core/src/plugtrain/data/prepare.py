@@ -191,8 +191,8 @@ class _ShardWriter:
             self.close()
             self._open()
         assert self._bin is not None and self._idx is not None
-        write_bytes(self._bin, tokens.tobytes())
-        write_bytes(self._idx, (np.cumsum(lengths) + self._tokens).astype(np.int64).tobytes())
+        _write_bytes(self._bin, tokens.tobytes())
+        _write_bytes(self._idx, (np.cumsum(lengths) + self._tokens).astype(np.int64).tobytes())
         self._tokens += len(tokens)
         self._docs += len(lengths)
 
@@ -213,7 +213,7 @@ class _ShardWriter:
         self._bin = self._idx = None
 
 
-def write_bytes(f: Any, data: bytes) -> None:
+def _write_bytes(f: Any, data: bytes) -> None:
     """``f.write(data)``; the one place the writer writes, so a test can fill the disk here."""
     f.write(data)
 
@@ -260,8 +260,10 @@ def prepare(
     files = expand_inputs(inputs)
     check_extras(files)
     workers = workers or os.cpu_count() or 1
-    if min(workers, shard_tokens, chunk_bytes) < 1:
-        raise DataError(f"--workers ({workers}) and --shard-tokens ({shard_tokens}) must be >= 1")
+    sizes = {"--workers": workers, "--shard-tokens": shard_tokens, "chunk_bytes": chunk_bytes}
+    for name, value in sizes.items():
+        if value < 1:
+            raise DataError(f"{name} must be >= 1, got {value}")
     layout = Layout(text_field, shard_tokens, chunk_bytes)
     tokenizer = Tokenizer.from_file(tokenizer_path)
     tokenizer_sha = file_sha256(tokenizer_path)
