@@ -16,9 +16,11 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a compact line to the console
                                   peak; absent on CPU or on a GPU of unknown peak
 ``time_step_s``                   seconds per step, the sum of the four phases below
 ``time_data_s``                   waiting for the batch
-``time_fwd_bwd_s``                forward and backward of every microbatch
-``time_hooks_s``                  plugin hooks (``pre_backward``, ``post_backward``,
-                                  ``pre_step``, ``post_step``)
+``time_fwd_bwd_s``                forward and backward of every microbatch, plugins'
+                                  ``loss_terms`` included
+``time_hooks_s``                  the other step hooks: ``pre_backward``,
+                                  ``unscale_gradients``, ``observe_gradients``,
+                                  ``post_backward``, ``pre_step``, ``post_step``
 ``time_optimizer_s``              ``optimizer.step()``, LR scheduler and ``zero_grad``
 ``memory_gib``                    peak memory: CUDA max allocated, or the CPU's max RSS
 ``skipped_steps``                 steps vetoed so far (read on logging steps only)
