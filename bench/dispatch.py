@@ -87,7 +87,8 @@ def fire_step(host: PluginHost, ctx: StepContext) -> None:
     hook.unscale_gradients(ctx=ctx)
     hook.observe_gradients(ctx=ctx)
     hook.post_backward(ctx=ctx)
-    ctx.skipped, ctx.skip_reasons = VETOES.combine(host.vetoes(ctx=ctx))
+    vetoes = host.results("pre_step", ctx=ctx)
+    ctx.skipped, ctx.skip_reasons = VETOES.combine(vetoes)
     hook.post_step(ctx=ctx)
 
 
@@ -103,6 +104,7 @@ def direct_caller(host: PluginHost) -> Callable[[StepContext], None]:
         [(i.function, bool(i.argnames)) for i in reversed(getattr(host.hook, name).get_hookimpls())]
         for name in STEP_HOOKS
     )
+    pre_step_names = [i.plugin_name for i in reversed(host.hook.pre_step.get_hookimpls())]
 
     def step(ctx: StepContext) -> None:
         microbatches = ctx.num_microbatches
@@ -112,8 +114,12 @@ def direct_caller(host: PluginHost) -> Callable[[StepContext], None]:
         for phase in (unscale, observe, post_backward):
             for f, takes_ctx in phase:
                 f(ctx=ctx) if takes_ctx else f()
-        answers = [a for f, t in pre_step if (a := f(ctx=ctx) if t else f())]
-        ctx.skipped, ctx.skip_reasons = VETOES.combine(dict(answers))
+        answers = {
+            name: a
+            for name, (f, t) in zip(pre_step_names, pre_step, strict=True)
+            if (a := f(ctx=ctx) if t else f()) is not None
+        }
+        ctx.skipped, ctx.skip_reasons = VETOES.combine(answers)
         for f, takes_ctx in post_step:
             f(ctx=ctx) if takes_ctx else f()
 

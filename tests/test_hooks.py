@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from plugtrain.host.plugin_host import PluginHost
 from plugtrain.plugin import StepContext, full_tensor, hookimpl
 from plugtrain.testing import HookLog, make_trainer, read_metrics, tiny_args
 from plugtrain.training.launch import configure, run_cli
@@ -267,3 +268,33 @@ def test_a_device_veto_skips_without_a_reason_and_counts_for_its_plugin(tmp_path
     assert int(trainer.lr_scheduler.applied_steps) == 2
     records = read_metrics(tmp_path)
     assert [r["skipped_steps.even"] for r in records] == [0, 1, 1, 2]
+
+
+class Answers:
+    """Answers every result hook with its plugin name; records the order it was asked in."""
+
+    def __init__(self, name: str, asked: list[str]) -> None:
+        self.name, self.asked = name, asked
+
+    @hookimpl
+    def pre_step(self, ctx):
+        self.asked.append(self.name)
+        return None if self.name == "b" else self.name
+
+    @hookimpl
+    def state_dict(self):
+        return {"name": self.name}
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations("abc")))
+def test_result_hooks_answer_in_name_order_whatever_the_registration_order(order):
+    host, asked = PluginHost(), []
+    for name in order:
+        host.register(Answers(name, asked), name)
+    ctx = StepContext(step=1, num_microbatches=1, model=None, optimizer=None, params=())
+    vetoes = host.results("pre_step", ctx=ctx)
+    assert list(vetoes.items()) == [("a", "a"), ("c", "c")]  # None answers are left out
+    assert asked == ["a", "b", "c"]
+    assert list(host.results("state_dict")) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="'post_step' is not a result hook"):
+        host.results("post_step", ctx=ctx)

@@ -31,13 +31,13 @@ def test_every_hook_fires_in_a_stopped_and_resumed_run(tmp_path, monkeypatch):
     # config_section fires while plugins load, before any object can be registered to log it:
     # it is seen through the host, which asks each enabled plugin for its section.
     asked = []
-    call_each = PluginHost.call_each
+    results = PluginHost.results
 
-    def spying_call_each(self, hook_name, **kwargs):
+    def spying_results(self, hook_name, **kwargs):
         asked.append(hook_name)
-        return call_each(self, hook_name, **kwargs)
+        return results(self, hook_name, **kwargs)
 
-    monkeypatch.setattr(PluginHost, "call_each", spying_call_each)
+    monkeypatch.setattr(PluginHost, "results", spying_results)
     logs: list[HookLog] = []
 
     def plugins():

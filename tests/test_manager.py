@@ -103,6 +103,32 @@ def test_entry_point_to_class_with_arguments_is_explained(monkeypatch):
         PluginHost().load_enabled(["needy"])
 
 
+class WrapsMetrics:
+    @hookimpl(wrapper=True)
+    def step_metrics(self, ctx):
+        return (yield)
+
+
+class WrapsVetoesOldStyle:
+    @hookimpl(hookwrapper=True)
+    def pre_step(self, ctx):
+        yield
+
+
+@pytest.mark.parametrize(
+    ("plugin", "hook"), [(WrapsMetrics(), "step_metrics"), (WrapsVetoesOldStyle(), "pre_step")]
+)
+def test_a_wrapper_of_a_result_hook_is_refused_in_one_line(plugin, hook):
+    host = PluginHost()
+    with pytest.raises(PluginError) as e:
+        host.register(plugin, "wraps")
+    assert str(e.value) == (
+        f"plugin 'wraps' implements result hook '{hook}' as a wrapper, which would see the other "
+        "plugins' answers: drop wrapper=True/hookwrapper=True from its hookimpl"
+    )
+    assert host.names() == []  # not left half-registered
+
+
 def test_enabled_twice_is_refused():
     with pytest.raises(PluginError, match="plugin 'hook_recorder' is enabled twice"):
         PluginHost().load_enabled(["hook_recorder", "hook_recorder"])

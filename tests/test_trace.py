@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from plugtrain import hookspecs
 from plugtrain.errors import ConfigError
 from plugtrain.host.plugin_host import PluginHost
 from plugtrain.observability import trace
@@ -90,7 +91,7 @@ def test_trace_lists_plugins_in_the_order_they_ran_with_their_times(tmp_path, re
     tracer = HookTracer.install(host, tmp_path, rank=0)
     host.hook.post_backward(ctx=step_ctx(7))
     host.hook.pre_backward(ctx=step_ctx(7))  # implemented by no plugin
-    assert host.call_each("step_metrics", ctx=step_ctx(7)) == {"plain": {"x": 1.0}}
+    assert host.results("step_metrics", ctx=step_ctx(7)) == {"plain": {"x": 1.0}}
     tracer.close()
 
     assert log == ["wrapper before", "first", "plain", "wrapper after"]
@@ -110,6 +111,25 @@ def test_trace_lists_plugins_in_the_order_they_ran_with_their_times(tmp_path, re
     assert summary["plugins"]["plain"]["post_backward"]["calls"] == 1
     assert summary["plugins"]["plain"]["step_metrics"]["calls"] == 1
     assert summary["hooks"]["pre_backward"]["calls"] == 1
+
+
+class Loads:
+    @hookimpl
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def test_call_monitoring_sees_every_result_hook_and_each_state_load():
+    host = PluginHost()
+    host.register(Plain([]), "plain")
+    host.register(Loads(), "loads")
+    seen: list[str] = []
+    stop = host.monitor_calls(lambda hook, kwargs: seen.append(hook), lambda hook, error: None)
+    for hook in hookspecs.RESULT_HOOKS:
+        host.results(hook, ctx=step_ctx(1))
+    host.call_one("loads", "load_state_dict", state_dict={})
+    stop()
+    assert seen == [*hookspecs.RESULT_HOOKS, "load_state_dict"]
 
 
 def test_close_restores_the_plugins_functions_and_removes_monitoring(tmp_path):
@@ -133,7 +153,7 @@ def test_a_failing_implementation_is_traced_and_its_error_reaches_the_caller(tmp
     host.register(Failing(), "failing")
     tracer = HookTracer.install(host, tmp_path, rank=0)
     with pytest.raises(RuntimeError, match="boom"):
-        host.hook.pre_step(ctx=step_ctx(2))
+        host.results("pre_step", ctx=step_ctx(2))
     host.hook.post_step(ctx=step_ctx(2))
     tracer.close()
     calls, _ = read_trace(tmp_path)
@@ -179,10 +199,7 @@ def test_tracing_off_installs_nothing_and_writes_nothing(tmp_path, monkeypatch):
     recorder = trainer.host.get("hook_recorder")
     for hook_name in host.hook_names():
         for impl in getattr(host.hook, hook_name).get_hookimpls():
-            # The plugin's own method (pre_step's is the host's naming of its answer: it is
-            # called through functools.wraps).
-            function = getattr(impl.function, "__wrapped__", impl.function)
-            assert function == getattr(recorder, hook_name)
+            assert impl.function == getattr(recorder, hook_name)  # nothing rewritten
     assert host.pm._inner_hookexec is pluggy._callers._multicall  # no monitoring
     assert not list(tmp_path.glob("hook_trace*"))
 
@@ -261,7 +278,7 @@ class CountingWrapper:
     """A wrapper with one read before its ``yield`` and two after."""
 
     @hookimpl(wrapper=True)
-    def pre_step(self, ctx):
+    def post_backward(self, ctx):
         ctx.loss.item()
         result = yield
         ctx.loss.item()
@@ -286,7 +303,7 @@ def test_trace_counts_each_plugins_syncs_and_collectives(tmp_path, monkeypatch):
     assert costs("reads", "post_backward") == (3, 9, 0)  # bool, float, tolist
     assert costs("reads", "pre_step") == (3, 3, 0)
     assert costs("reads", "post_step") == (3, 0, 0)  # a no-op costs nothing
-    assert costs("wrapper", "pre_step") == (3, 9, 0)  # its own code only, not reads'
+    assert costs("wrapper", "post_backward") == (3, 9, 0)  # its own code only, not reads'
     # A world of one process still dispatches c10d ops.
     assert costs("all_reduce", "post_step") == (3, 0, 3)
     assert summary["plugins"]["all_reduce"]["post_step"]["collective_ops"] == {"c10d.allreduce_": 3}
@@ -294,10 +311,10 @@ def test_trace_counts_each_plugins_syncs_and_collectives(tmp_path, monkeypatch):
     assert sorted(site.split(" at ")[0] for site in sites) == [
         "Tensor.__bool__", "Tensor.__float__", "Tensor.tolist"
     ]  # fmt: skip
-    assert summary["hooks"]["pre_step"]["syncs"] == 12
-    [pre_step] = [c for c in calls if c["hook"] == "pre_step" and c["step"] == 2]
-    assert (pre_step["syncs"], pre_step["collectives"]) == (4, 0)
-    assert {p["plugin"]: p["syncs"] for p in pre_step["plugins"]} == {"wrapper": 3, "reads": 1}
+    assert summary["hooks"]["post_backward"]["syncs"] == 18
+    [post_backward] = [c for c in calls if c["hook"] == "post_backward" and c["step"] == 2]
+    assert (post_backward["syncs"], post_backward["collectives"]) == (6, 0)
+    assert {p["plugin"]: p["syncs"] for p in post_backward["plugins"]} == {"wrapper": 3, "reads": 3}
     [post_step] = [c for c in calls if c["hook"] == "post_step" and c["step"] == 2]
     assert {p["plugin"]: p["collectives"] for p in post_step["plugins"]} == {
         "all_reduce": 1, "reads": 0

@@ -58,6 +58,15 @@ must end the run with an error raises a one-line :class:`plugtrain.plugin.Plugin
 
 Every hook is called with keyword arguments; an implementation may accept any subset of the
 arguments its spec names (pluggy checks this at registration) and must not ask for others.
+
+Result hooks (:data:`RESULT_HOOKS`): each plugin's answer belongs to that plugin (its config
+section, its loss terms, its veto, its metrics, its weight sets, its state), so the trainer
+receives the non-None answers by plugin name, in the order of the names, whatever the order
+the plugins were registered in; the implementations run in that order too. They fire through
+pluggy like every other hook (the hook trace and cost counts see them), but a ``wrapper=True``
+or ``hookwrapper=True`` implementation of one is refused at registration: a wrapper could only
+see, or replace, the answers of the other plugins. ``load_state_dict`` fires for one plugin at a
+time, with that plugin's own state.
 """
 
 from __future__ import annotations
@@ -84,6 +93,16 @@ if TYPE_CHECKING:
     )
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+
+RESULT_HOOKS = (
+    "config_section",
+    "loss_terms",
+    "pre_step",
+    "step_metrics",
+    "validation_weights",
+    "state_dict",
+)
+"""The hooks whose answers the trainer receives by plugin name (see the module docstring)."""
 
 
 @hookspec

@@ -100,7 +100,7 @@ def test_scale_grows_after_growth_interval_clean_steps_and_backs_off_on_each_inf
 def test_state_dict_round_trip_restores_scale_and_growth_tracker(tmp_path):
     first, records = run_with_infs(tmp_path / "a", *GROWTH, steps=5, inf_steps={3, 4})
     assert records[-1]["grad_scaler/loss_scale"] == 256  # one clean step since the backoff
-    state = first.host.call_each("state_dict")["grad_scaler"]
+    state = first.host.results("state_dict")["grad_scaler"]
     assert state == {
         "scale": torch.tensor(256.0),
         "growth_tracker": torch.tensor(1),
@@ -122,7 +122,7 @@ def test_resume_of_a_bfloat16_checkpoint_into_float16_starts_at_init_scale(tmp_p
     bf16 = make_trainer(
         tmp_path / "bf16", "--training.mixed_precision_param", "bfloat16", *ENABLE, steps=1
     )
-    assert "grad_scaler" not in bf16.host.call_each("state_dict")  # nothing saved
+    assert "grad_scaler" not in bf16.host.results("state_dict")  # nothing saved
     fp16 = make_trainer(
         tmp_path / "fp16", *FP16, *ENABLE, "--grad_scaler.init_scale", "512", steps=1
     )

@@ -60,7 +60,7 @@ def test_no_checks_no_syncs_no_state_same_parameters(tmp_path, dtype):
     plain, plain_ops = profiled_run(tmp_path / "plain", dtype)
     auto, auto_ops = profiled_run(tmp_path / "auto", dtype, "--plugins.enabled", "grad_scaler")
     assert "grad_scaler" not in auto.host.names()  # deactivated in setup
-    assert "grad_scaler" not in auto.host.call_each("state_dict")  # nothing to checkpoint
+    assert "grad_scaler" not in auto.host.results("state_dict")  # nothing to checkpoint
     assert auto_ops[UNSCALE] == 0
     assert auto_ops[SYNC] == plain_ops[SYNC]
     run = json.loads((tmp_path / "auto" / "run.json").read_text())

@@ -408,7 +408,7 @@ class CheckpointManager:
             # zero-lr step; the run must go on as if it had not (AdamW counts its steps).
             self.optimizer.state.clear()
             optimizer = {**optimizer, "state": {}}
-        plugin_states = self.host.call_each("state_dict")
+        plugin_states = self.host.results("state_dict")
         if plugins is not None:
             plugin_states = {k: v for k, v in plugin_states.items() if k in plugins}
         state = {

@@ -1,4 +1,4 @@
-"""Plugin discovery, loading and registration.
+"""Plugin discovery, loading and registration, and the firing of hooks for their answers.
 
 Plugins are distributions that declare an entry point in the ``plugtrain.plugins`` group; the
 entry point's name is the plugin's name. A run enables plugins by name
@@ -33,7 +33,6 @@ class Implementation:
 
     hook: str
     plugin: str
-    argnames: tuple[str, ...]
     wrapper: bool
     """A new-style (``wrapper=True``) or old-style (``hookwrapper=True``) wrapper."""
 
@@ -92,7 +91,7 @@ def config_section_of(name: str) -> type | None:
     """
     scratch = PluginHost()
     scratch.load_enabled([name])
-    return scratch.call_each("config_section").get(name)
+    return scratch.results("config_section").get(name)
 
 
 def _instantiate(name: str, target: Any) -> Any:
@@ -111,7 +110,9 @@ def _instantiate(name: str, target: Any) -> Any:
 class PluginHost:
     """The run's pluggy ``PluginManager``, with plugtrain's loading rules and error messages.
 
-    ``host.hook.<name>(...)`` fires a hook for every registered plugin.
+    ``host.hook.<name>(...)`` fires a hook for every registered plugin;
+    ``host.results(<name>, ...)`` fires a result hook (:data:`plugtrain.hookspecs.RESULT_HOOKS`)
+    and returns the answers by plugin name.
     """
 
     def __init__(self) -> None:
@@ -122,6 +123,9 @@ class PluginHost:
         """The enabled plugins' ``distribution version``, by name, for the run's records."""
         self.inactive: dict[str, str] = {}
         """Plugins that deactivated themselves in ``setup``, by name, with their reason."""
+        self._named: dict[str, tuple[list[pluggy.HookImpl], list[pluggy.HookImpl]]] = {}
+        """Each result hook's registered implementations, and the stand-ins :meth:`results`
+        runs for them."""
 
     def load_enabled(self, names: Sequence[str]) -> None:
         """Import and register the installed plugins named in ``names``, and only those."""
@@ -156,34 +160,59 @@ class PluginHost:
             self.pm.register(plugin, name=name)
         except pluggy.PluginValidationError as e:
             raise PluginError(f"plugin '{name}': {one_line(e)}") from e
-        for hook_name in self._implemented(plugin):
-            if hook_name not in self.hook_names():
-                self.pm.unregister(plugin)
-                raise PluginError(
-                    f"plugin '{name}' implements hook '{hook_name}', which does not exist"
-                    f"{did_you_mean(hook_name, self.hook_names())}; hooks: "
-                    f"{', '.join(self.hook_names())}"
+        problem = self._contract_problem(plugin)
+        if problem is not None:
+            self.pm.unregister(plugin)
+            raise PluginError(f"plugin '{name}' {problem}")
+
+    def _contract_problem(self, plugin: object) -> str | None:
+        """What breaks the contract in registered ``plugin``'s hooks, or None."""
+        hooks = self.hook_names()
+        for caller in self.pm.get_hookcallers(plugin) or []:
+            if caller.name not in hooks:
+                return (
+                    f"implements hook '{caller.name}', which does not exist"
+                    f"{did_you_mean(caller.name, hooks)}; hooks: {', '.join(hooks)}"
                 )
-        for impl in self._impls("pre_step"):
-            if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
-                impl.function = _named_answer(name, impl.function)
+            if caller.name in hookspecs.RESULT_HOOKS and any(
+                impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)
+                for impl in caller.get_hookimpls()
+            ):
+                return (
+                    f"implements result hook '{caller.name}' as a wrapper, which would see the "
+                    "other plugins' answers: drop wrapper=True/hookwrapper=True from its hookimpl"
+                )
+        return None
 
-    def vetoes(self, **kwargs: Any) -> dict[str, Any]:
-        """Fire ``pre_step`` and return each plugin's non-None answer by plugin name.
+    def results(self, hook_name: str, **kwargs: Any) -> dict[str, Any]:
+        """Fire result hook ``hook_name``; return each plugin's non-None answer by plugin name.
 
-        It goes through pluggy, wrappers and call monitoring included: each plain
-        implementation's answer comes back tagged with its plugin's name (``register`` does
-        that), so that a wrong answer, and every veto, is told by plugin.
+        The implementations run, and the answers come, in the order of the plugins' names.
+        The call goes through pluggy's hook execution (``PluginManager._hookexec``, the one
+        every ``HookCaller`` calls), so call monitoring (the hook trace, the kit's cost counts)
+        sees it like any other hook call. It runs, instead of the registered implementations,
+        one stand-in per implementation (a ``HookImpl`` of the same plugin, made once while the
+        registrations stay the same) whose function calls the registered one (the plugin's, or
+        the tracer's around it) and pairs its answer with the plugin's name: nothing registered
+        is rewritten. ``register`` refuses wrappers of result hooks.
         """
-        return dict(self.hook.pre_step(**kwargs))
-
-    def _implemented(self, plugin: object) -> list[str]:
-        return [caller.name for caller in self.pm.get_hookcallers(plugin) or []]
+        if hook_name not in hookspecs.RESULT_HOOKS:
+            raise ValueError(f"'{hook_name}' is not a result hook: fire it through host.hook")
+        impls = self._impls(hook_name)
+        registered, named = self._named.get(hook_name, (None, []))
+        if registered != impls:
+            # pluggy calls the last implementation of its list first.
+            by_name = sorted(impls, key=lambda impl: impl.plugin_name, reverse=True)
+            named = [pluggy.HookImpl(i.plugin, i.plugin_name, _named(i), i.opts) for i in by_name]
+            self._named[hook_name] = (impls, named)
+        answers = self.pm._hookexec(hook_name, named, kwargs, False)
+        return {name: answer for name, answer in answers if answer is not None}
 
     def hooks_of(self, name: str) -> list[str]:
         """The hooks plugin ``name`` implements, in the contract's declaration order."""
         order = self.hook_names()
-        return sorted(self._implemented(self.get(name)), key=order.index)
+        callers = self.pm.get_hookcallers(self.get(name)) or []
+        return sorted((caller.name for caller in callers), key=order.index)
 
     @staticmethod
     def hook_names() -> list[str]:
@@ -231,29 +260,13 @@ class PluginHost:
         """Names of the registered plugins that implement hook ``hook_name``, in call order."""
         return [impl.plugin_name for impl in reversed(self._impls(hook_name))]
 
-    def call_one(self, name: str, hook_name: str, **kwargs: Any) -> Any:
-        """Call plugin ``name``'s implementation of hook ``hook_name`` alone; return its result.
-
-        An implementation takes any subset of the hook's arguments: only those are passed.
-        """
-        for impl in self._impls(hook_name):
-            if impl.plugin_name == name:
-                return impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
-        raise KeyError(f"plugin '{name}' does not implement '{hook_name}'")
-
-    def call_each(self, hook_name: str, **kwargs: Any) -> dict[str, Any]:
-        """Call hook ``hook_name`` on each plugin separately and return results by plugin name.
-
-        For hooks whose results belong to a plugin (its config section, metrics, state), not on
-        the per-step hot path. Plugins are visited in the hook's own call order; ``None``
-        results are left out.
-        """
-        results: dict[str, Any] = {}
-        for name in self.implementers(hook_name):
-            result = self.call_one(name, hook_name, **kwargs)
-            if result is not None:
-                results[name] = result
-        return results
+    def call_one(self, name: str, hook_name: str, **kwargs: Any) -> None:
+        """Fire hook ``hook_name`` for plugin ``name`` alone (``load_state_dict``, with that
+        plugin's own state), through pluggy: its wrappers and call monitoring included."""
+        if name not in self.implementers(hook_name):
+            raise KeyError(f"plugin '{name}' does not implement '{hook_name}'")
+        others = [plugin for other, plugin in self.pm.list_name_plugin() if other != name]
+        self.pm.subset_hook_caller(hook_name, others)(**kwargs)
 
     def wrap_implementations(
         self, wrap: Callable[[Implementation, Callable[..., Any]], Callable[..., Any]]
@@ -266,7 +279,6 @@ class PluginHost:
                 described = Implementation(
                     hook_name,
                     impl.plugin_name,
-                    tuple(impl.argnames),
                     bool(impl.wrapper or impl.hookwrapper),
                 )
                 originals.append((impl, impl.function))
@@ -294,12 +306,15 @@ class PluginHost:
         return getattr(self.hook, hook_name).get_hookimpls()
 
 
-def _named_answer(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function``, returning ``(name, answer)`` for a non-None answer."""
+def _named(impl: pluggy.HookImpl) -> Callable[..., tuple[str, Any]]:
+    """A function taking ``impl``'s arguments that returns ``(plugin name, answer)``.
 
-    @functools.wraps(function)
-    def named(*args: Any, **kwargs: Any) -> Any:
-        answer = function(*args, **kwargs)
-        return None if answer is None else (name, answer)
+    It reads ``impl.function`` at each call, so that the hook tracer's wrapper, when installed,
+    runs; ``functools.wraps`` gives it the parameters pluggy reads (through ``__wrapped__``).
+    """
+
+    @functools.wraps(impl.function)
+    def named(*args: Any, **kwargs: Any) -> tuple[str, Any]:
+        return impl.plugin_name, impl.function(*args, **kwargs)
 
     return named

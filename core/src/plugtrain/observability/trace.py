@@ -21,11 +21,12 @@ implementation is marked ``"wrapper": true``; its time and costs are those of it
 before and after its ``yield``, not of the implementations it wraps). ``ms`` of the call
 includes pluggy's dispatch; its ``syncs`` and ``collectives`` are the sums of its plugins'.
 Counting makes every torch call inside a hook slower (Python handlers see each op), so traced
-times are those of counted code. Hooks the trainer calls plugin by plugin (``step_metrics``,
-``state_dict``, through :meth:`PluginHost.call_each`) appear as one call per plugin. When the
-run closes, the time spent in each plugin's hooks, with its host syncs and collectives per
-call, is logged as a table (rank 0) and written as the file's last line,
-``{"summary": {...}}``, which also names where each sync happened and each collective's op.
+times are those of counted code. Every hook call goes through pluggy, result hooks
+(:meth:`PluginHost.results`) included, and is one line; ``load_state_dict``, fired for one
+plugin at a time, is one line per plugin. When the run closes, the time spent in each plugin's
+hooks, with its host syncs and collectives per call, is logged as a table (rank 0) and written
+as the file's last line, ``{"summary": {...}}``, which also names where each sync happened and
+each collective's op.
 """
 
 from __future__ import annotations
@@ -191,36 +192,20 @@ class HookTracer:
     def _timed(self, impl: Implementation, function: Callable[..., Any]) -> Callable[..., Any]:
         """``function`` wrapped to add its running time and costs to the current call of its
         hook."""
-        hook, plugin, wrapper = impl.hook, impl.plugin, impl.wrapper
-        ctx_index = impl.argnames.index("ctx") if "ctx" in impl.argnames else None
+        plugin, wrapper = impl.plugin, impl.wrapper
 
         @functools.wraps(function)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            # NOTE: PluginHost.call_each calls implementations directly, not through pluggy's
-            # monitored call: each such call becomes a call of its own in the trace.
-            direct = not self._stack or self._stack[-1].hook != hook
-            if direct:
-                if ctx_index is not None and ctx_index < len(args):
-                    kwargs_with_ctx = {"ctx": args[ctx_index]}
-                else:
-                    kwargs_with_ctx = kwargs
-                self._stack.append(_Call(hook, *_position(kwargs_with_ctx)))
             entry = _Entry(plugin, wrapper)
-            self._stack[-1].plugins.append(entry)
-            error = None
+            self._stack[-1].plugins.append(entry)  # the hook's call, which pluggy monitors
             start = time.perf_counter()
             try:
                 with entry.costs:
                     result = function(*args, **kwargs)
                 # A wrapper's function returns its generator; pluggy drives it later.
                 return self._timed_generator(result, entry) if wrapper else result
-            except BaseException as e:
-                error = e
-                raise
             finally:
                 entry.seconds += time.perf_counter() - start
-                if direct:
-                    self._finish(self._stack.pop(), error)
 
         return timed
 

@@ -142,12 +142,11 @@ class HookLog:
     """Logs every hook call of a run, in order, without changing the run.
 
     Every hook but ``config_section`` (which fires before any plugin object is registered) is
-    implemented. The hooks pluggy fires are ``wrapper=True`` implementations that record
+    implemented. Most are ``wrapper=True`` implementations that record
     ``(hook, step, microbatch)`` and yield, so they see the call before any plain
-    implementation. The hooks the trainer calls plugin by plugin (``loss_terms``,
-    ``step_metrics``, ``validation_weights``, ``state_dict``, ``load_state_dict``) are plain
-    ones that add nothing; ``state_dict`` saves a constant, so that a resumed run fires
-    ``load_state_dict``. Step and microbatch are None for hooks with no
+    implementation. The result hooks (``hookspecs.RESULT_HOOKS``, which refuse wrappers) and
+    ``load_state_dict`` are plain ones that add nothing; ``state_dict`` saves a constant, so
+    that a resumed run fires ``load_state_dict``. Step and microbatch are None for hooks with no
     step. Each step's skip flag is kept and read only when asked (:meth:`skipped_steps`): a
     run with the log makes no extra host sync.
     """
@@ -206,10 +205,9 @@ class HookLog:
         self._log("post_backward", ctx)
         return (yield)
 
-    @hookimpl(wrapper=True)
-    def pre_step(self, ctx: StepContext) -> Iterator[None]:
+    @hookimpl
+    def pre_step(self, ctx: StepContext) -> None:
         self._log("pre_step", ctx)
-        return (yield)
 
     @hookimpl(wrapper=True)
     def post_step(self, ctx: StepContext) -> Iterator[None]:

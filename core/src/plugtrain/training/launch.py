@@ -31,7 +31,7 @@ def configure(argv: list[str]) -> tuple[JobConfig, PluginHost] | None:
     values = merged_values(cli)
     host = PluginHost()
     host.load_enabled(enabled_plugins(values))
-    sections = host.call_each("config_section")
+    sections = host.results("config_section")
     if cli.help:
         print(format_help(sections, _disabled_sections(host.names())))
         return None

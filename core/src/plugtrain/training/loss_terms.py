@@ -6,6 +6,8 @@ exactly as before and pays nothing for this.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from plugtrain.distributed import all_reduce_mean
@@ -17,8 +19,7 @@ from plugtrain.plugin import LossContext, StepContext
 class LossTerms:
     """Adds the ``loss_terms`` hook's terms to the loss and keeps their step means for logging."""
 
-    def __init__(self, host: PluginHost) -> None:
-        self.host = host
+    def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         """Each term of the current step, ``<plugin>/<key>``, summed over its microbatches
         (each divided by their number, as the loss is): the step's mean on this rank."""
@@ -26,18 +27,26 @@ class LossTerms:
     @classmethod
     def of(cls, host: PluginHost) -> LossTerms | None:
         """The loss terms of a run whose plugins are set up; None if no plugin adds any."""
-        return cls(host) if host.implementers("loss_terms") else None
+        return cls() if host.implementers("loss_terms") else None
+
+    @staticmethod
+    def context(ctx: StepContext, logits: torch.Tensor, targets: torch.Tensor) -> LossContext:
+        """What ``loss_terms`` receives for the current microbatch of step ``ctx``."""
+        return LossContext(ctx.step, ctx.microbatch, ctx.num_microbatches, logits, targets)
 
     def added_to(
-        self, loss: torch.Tensor, ctx: StepContext, logits: torch.Tensor, targets: torch.Tensor
+        self,
+        loss: torch.Tensor,
+        answers: Mapping[str, Mapping[str, torch.Tensor]],
+        ctx: StepContext,
     ) -> torch.Tensor:
         """``loss`` (a microbatch's, divided by the number of microbatches) plus the terms of
-        the plugins, each divided likewise and added in the order of their names."""
+        ``loss_terms``'s ``answers`` by plugin, each divided likewise and added in the order of
+        their names."""
         if ctx.microbatch == 0:
             self.sums = {}
-        loss_ctx = LossContext(ctx.step, ctx.microbatch, ctx.num_microbatches, logits, targets)
         terms = {}
-        for plugin, named in self.host.call_each("loss_terms", ctx=loss_ctx).items():
+        for plugin, named in answers.items():
             for key, value in named.items():
                 if not isinstance(value, torch.Tensor) or value.ndim != 0:
                     raise PluginError(

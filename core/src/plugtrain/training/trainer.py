@@ -1,7 +1,11 @@
 """The trainer: builds the run from its config, then loops over steps, firing the hooks.
 
-The step itself (:meth:`Trainer.train_step`) fits on one screen; everything it needs is built in
-:meth:`Trainer.__init__` from well-named modules (``parallel``, ``model``, ``data``, ``lr``).
+The step itself (:meth:`Trainer.train_step`) fits on one screen and names each hook it fires in
+the order of ``hookspecs.py``; everything it needs is built in :meth:`Trainer.__init__` from the
+sub-packages ``model`` (the transformer, sharded with FSDP2), ``data`` (the batches),
+``checkpoint``, ``observability`` (metrics, timing, the hook trace) and ``host`` (the plugins),
+and from this package's ``optim`` (optimizer, LR schedule), ``vetoes``, ``loss_terms``,
+``requests`` and ``stop``.
 """
 
 from __future__ import annotations
@@ -279,7 +283,8 @@ class Trainer:
     def train_step(self, batch: StepBatch) -> tuple[torch.Tensor, StepContext]:
         """One optimizer step over ``batch``'s microbatches; returns its mean loss and context.
 
-        It reads nothing from the device: the loss, the vetoes and the skip stay tensors.
+        It fires the step's hooks in the contract's order and reads nothing from the device:
+        the loss, the vetoes and the skip stay tensors.
         """
         ctx = StepContext(
             self.step + 1,
@@ -294,8 +299,16 @@ class Trainer:
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
         for ctx.microbatch, (inputs, targets) in enumerate(batch):
-            cross_entropy_part, ctx.loss = self._microbatch_loss(ctx, inputs, targets)
-            loss_sum += cross_entropy_part
+            logits = self.model(inputs)
+            loss = cross_entropy(logits, targets) / ctx.num_microbatches
+            loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
+            if self.loss_terms is not None:  # only in runs where a plugin implements the hook
+                terms = self.host.results(
+                    "loss_terms", ctx=self.loss_terms.context(ctx, logits, targets)
+                )
+                loss = self.loss_terms.added_to(loss, terms, ctx)
+            del logits  # freed before backward, as the graph keeps only what it needs
+            ctx.loss = loss
             lap("fwd_bwd")
             self.hook.pre_backward(ctx=ctx)
             lap("hooks")
@@ -304,7 +317,8 @@ class Trainer:
         self.hook.unscale_gradients(ctx=ctx)
         self.hook.observe_gradients(ctx=ctx)
         self.hook.post_backward(ctx=ctx)
-        ctx.skipped, ctx.skip_reasons = self.vetoes.combine(self.host.vetoes(ctx=ctx))
+        vetoes = self.host.results("pre_step", ctx=ctx)
+        ctx.skipped, ctx.skip_reasons = self.vetoes.combine(vetoes)
         lap("hooks")
         if ctx.skip_reasons:
             logger.info("step %d skipped: %s", ctx.step, "; ".join(ctx.skip_reasons))
@@ -318,17 +332,6 @@ class Trainer:
         self.step = ctx.step
         self.tokens_seen += self.config.training.batch_size * self.config.training.seq_len
         return loss_sum, ctx
-
-    def _microbatch_loss(
-        self, ctx: StepContext, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A microbatch's cross-entropy over the number of microbatches (detached, logged as
-        the loss), and the loss backward runs on: that plus the plugins' loss terms, if any."""
-        logits = self.model(inputs)  # freed on return, as before backward without loss terms
-        loss = cross_entropy(logits, targets) / ctx.num_microbatches
-        if self.loss_terms is None:
-            return loss.detach(), loss
-        return loss.detach(), self.loss_terms.added_to(loss, ctx, logits, targets)
 
     def train(self) -> None:
         """Train until ``training.steps``, logging and validating on schedule."""
@@ -382,7 +385,7 @@ class Trainer:
         times = self.timer.window()
         global_loss = all_reduce_mean(loss, self.world.world_size)
         record = {"step": self.step, "loss": to_number(global_loss), "lr": to_number(lr)}
-        for plugin, metrics in self.host.call_each("step_metrics", ctx=ctx).items():
+        for plugin, metrics in self.host.results("step_metrics", ctx=ctx).items():
             record.update({f"{plugin}/{k}": to_number(v) for k, v in metrics.items()})
         if self.loss_terms is not None:
             record.update(self.loss_terms.metrics(self.world.world_size))
@@ -408,7 +411,7 @@ class Trainer:
         """The validation losses: ``validation_loss`` on the model's weights, then
         ``<name>/validation_loss`` for each weight set a plugin offers (``validation_weights``),
         each pass between ``pre_validation`` and ``post_validation``."""
-        offered = self.host.call_each("validation_weights").values()
+        offered = self.host.results("validation_weights").values()
         losses = {}
         for weights in [None, *(name for names in offered for name in names)]:
             ctx = ValidationContext(self.step, weights)
