@@ -154,10 +154,10 @@ def test_help_prints_each_section_docstring_under_its_heading():
     lines = format_help({"ch": ChoicesSection, "ex": ExampleSection}).splitlines()
     assert lines[lines.index("[ch]") + 1] == "  Doc of the section."
     assert lines[lines.index("[ex]") + 1].startswith("  --ex.")  # none: not the signature
-    for f in _core_sections():
-        doc = section_doc(f.default_factory)
-        assert doc and "\n" not in doc, f"{f.name} needs a one-line class docstring"
-        assert lines[lines.index(f"[{f.name}]") + 1] == f"  {doc}"
+    for name, cls in _core_sections().items():
+        doc = section_doc(cls)
+        assert doc and "\n" not in doc, f"{name} needs a one-line class docstring"
+        assert lines[lines.index(f"[{name}]") + 1] == f"  {doc}"
 
 
 def test_help_marks_installed_plugins_that_are_not_enabled():

@@ -302,13 +302,17 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every section as plain data, plugin sections included (for the run's records)."""
-        out = {s.name: dataclasses.asdict(getattr(self, s.name)) for s in _core_sections()}
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in _core_sections()}
         out.update({k: dataclasses.asdict(v) for k, v in self.plugin_sections.items()})
         return out
 
 
-def _core_sections() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(JobConfig) if f.name != "plugin_sections"]
+def _core_sections() -> dict[str, type]:
+    """The core's config dataclasses by section name: every field of :class:`JobConfig` but
+    ``plugin_sections``, in declaration order."""
+    hints = typing.get_type_hints(JobConfig)
+    fields = dataclasses.fields(JobConfig)
+    return {f.name: hints[f.name] for f in fields if f.name != "plugin_sections"}
 
 
 FIXED_ON_RESUME: dict[str, tuple[str, ...] | None] = {
@@ -573,7 +577,7 @@ def build_config(
     ``plugin_sections`` maps each enabled plugin with a config section to its dataclass;
     ``installed`` names every installed plugin, to explain a section of a disabled one.
     """
-    core = {f.name: typing.get_type_hints(JobConfig)[f.name] for f in _core_sections()}
+    core = _core_sections()
     known = [*core, *plugin_sections]
     for section in values:
         if section in known:
@@ -642,8 +646,7 @@ def format_help(
         "",
         "Every field can be set in the TOML file's [section] or overridden on the command line.",
     ]
-    sections = {f.name: typing.get_type_hints(JobConfig)[f.name] for f in _core_sections()}
-    sections.update(plugin_sections)
+    sections = {**_core_sections(), **plugin_sections}
     for section, cls in sections.items():
         lines.append(f"\n[{section}]")
         _help_section(lines, section, cls)
