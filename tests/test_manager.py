@@ -99,8 +99,56 @@ def test_argument_the_hook_does_not_give_is_refused():
 
 def test_entry_point_to_class_with_arguments_is_explained(monkeypatch):
     fake_entry_points(monkeypatch, needy=f"{__name__}:NeedsArgs")
-    with pytest.raises(PluginError, match="must name a module or a callable taking no arguments"):
+    with pytest.raises(PluginError) as e:
         PluginHost().load_enabled(["needy"])
+    assert str(e.value) == (
+        "plugin 'needy': its entry point must name a module or a callable taking no arguments, "
+        f"but '{__name__}:NeedsArgs' cannot be called without any: missing a required argument: "
+        "'required'"
+    )
+
+
+OLD_API_PLUGIN = """
+import json
+
+from plugtrain.plugin import check_field
+
+
+class OldApi:
+    def __init__(self):
+        check_field(True, "old_api", "max_norm", "must be > 0")  # the 0.x signature
+
+
+class BadDefaults:
+    def __init__(self):
+        self.defaults = json.loads("{")  # fails inside json, called from line 14
+"""
+
+
+@pytest.mark.parametrize(
+    ("attr", "line", "error"),
+    [
+        ("OldApi", 9, "TypeError: check_field() takes 3 positional arguments but 4 were given"),
+        ("BadDefaults", 14, "JSONDecodeError: Expecting property name enclosed in double quotes"),
+    ],
+)
+def test_an_error_in_the_plugins_own_code_is_reported_at_its_line(
+    tmp_path, monkeypatch, attr, line, error
+):
+    (tmp_path / "plugtrain_old_api.py").write_text(OLD_API_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "plugtrain_old_api", raising=False)
+    fake_entry_points(monkeypatch, old=f"plugtrain_old_api:{attr}")
+    with pytest.raises(PluginError) as e:
+        PluginHost().load_enabled(["old"])
+    assert str(e.value).startswith(
+        f"plugin 'old' (distribution '?' ?) failed while 'plugtrain_old_api:{attr}' made it, at "
+        f"{tmp_path / 'plugtrain_old_api.py'}:{line}: {error}"
+    )
+    assert str(e.value).endswith(
+        "(fix the plugin, or install a version of it written for plugtrain's plugin API 1.0)"
+    )
+    assert "\n" not in str(e.value)
 
 
 class WrapsMetrics:

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata as md
+import inspect
+import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from plugtrain import hookspecs
-from plugtrain.errors import PluginError, did_you_mean, one_line
-from plugtrain.plugin import PROJECT_NAME
+from plugtrain.errors import PluginError, UserError, did_you_mean, one_line
+from plugtrain.plugin import API_VERSION, PROJECT_NAME
 
 if TYPE_CHECKING:
     from plugtrain.plugin import SetupContext
@@ -94,17 +98,48 @@ def config_section_of(name: str) -> type | None:
     return scratch.results("config_section").get(name)
 
 
-def _instantiate(name: str, target: Any) -> Any:
-    """A module is the plugin itself; a class or factory is called once to make it."""
-    if callable(target):
-        try:
-            return target()
-        except TypeError as e:
-            raise PluginError(
-                f"plugin '{name}': its entry point must name a module or a callable taking no "
-                f"arguments, but calling it failed: {e}"
-            ) from e
-    return target
+def _instantiate(plugin: InstalledPlugin, target: Any) -> Any:
+    """A module is the plugin itself; a class or factory is called once to make it.
+
+    A callable that needs arguments is the entry point's fault. An error raised while the call
+    runs is the plugin's own (for instance a call of the plugin API written for another
+    version of it): it is reported at the innermost line of the plugin's own code.
+    """
+    if not callable(target):
+        return target
+    try:
+        inspect.signature(target).bind()
+    except TypeError as e:
+        raise PluginError(
+            f"plugin '{plugin.name}': its entry point must name a module or a callable taking "
+            f"no arguments, but '{plugin.value}' cannot be called without any: {e}"
+        ) from e
+    except ValueError:  # no signature to read (some builtins): calling it tells
+        pass
+    try:
+        return target()
+    except UserError:
+        raise  # the plugin's own one-line error
+    except Exception as e:
+        where = _innermost_line_of(plugin.entry_point.module, e)
+        raise PluginError(
+            f"plugin '{plugin.name}' (distribution '{plugin.distribution}' {plugin.version}) "
+            f"failed while '{plugin.value}' made it, at {where}: {one_line(e)} (fix the plugin, "
+            f"or install a version of it written for plugtrain's plugin API "
+            f"{'.'.join(map(str, API_VERSION))})"
+        ) from e
+
+
+def _innermost_line_of(module: str, error: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``error``'s traceback in the files of
+    ``module``'s top-level package, else of the innermost frame."""
+    top = sys.modules.get(module.partition(".")[0])
+    file = getattr(top, "__file__", None)
+    roots = [Path(p) for p in getattr(top, "__path__", [])] or ([Path(file)] if file else [])
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [f for f in frames if any(Path(f.filename).is_relative_to(r) for r in roots)]
+    frame = (own or frames)[-1]
+    return f"{frame.filename}:{frame.lineno}"
 
 
 class PluginHost:
@@ -149,7 +184,7 @@ class PluginHost:
                     f"failed to import '{plugin.value}': {type(e).__name__}: {e} "
                     f"(reinstall '{plugin.distribution}' or remove '{name}' from plugins.enabled)"
                 ) from e
-            self.register(_instantiate(name, target), name)
+            self.register(_instantiate(plugin, target), name)
             self.versions[name] = f"{plugin.distribution} {plugin.version}"
 
     def register(self, plugin: object, name: str) -> None:
