@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 
 import pytest
 
 from plugtrain import hookspecs
 from plugtrain.host.plugin_host import PluginHost
+from plugtrain.plugin import hookimpl
 from plugtrain.testing import SAMPLE, HookLog, interrupted_and_resumed
 
 HOOKS = PluginHost.hook_names()
@@ -91,3 +93,38 @@ def test_the_docstring_check_catches_what_it_must():
     assert doc_problem("Return the state.\n\nSaved with the checkpoint.")  # how often?
     assert doc_problem(None)
     assert doc_problem("Fires once per step.\n\nMore.") is None
+
+
+def test_a_hook_declared_with_warn_on_impl_warns_each_plugin_that_implements_it(monkeypatch):
+    # How the core keeps a renamed hook for one minor version (docs/writing-plugins.md): the
+    # old spec stays in hookspecs.py, marked, and the trainer fires it beside the new one.
+    @hookspecs.hookspec(
+        warn_on_impl=DeprecationWarning(
+            "hook 'old_name' is renamed 'new_name' (plugin API 1.1) and goes in 1.2"
+        )
+    )
+    def old_name(ctx: object) -> None:
+        """Fires once per step (a throwaway spec of this test)."""
+
+    class Implements:
+        @hookimpl
+        def old_name(self, ctx):
+            pass
+
+    class DoesNot:
+        @hookimpl
+        def post_step(self, ctx):
+            pass
+
+    monkeypatch.setattr(hookspecs, "old_name", old_name, raising=False)
+    host = PluginHost()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        host.register(DoesNot(), "does_not")
+    with pytest.warns(DeprecationWarning, match=r"'old_name' is renamed 'new_name'") as caught:
+        host.register(Implements(), "implements")
+    # Told at the plugin's own line, so that its author knows what to change.
+    assert (caught[0].filename, caught[0].lineno) == (
+        __file__,
+        Implements.old_name.__code__.co_firstlineno,
+    )
