@@ -1,7 +1,10 @@
-"""The repository's promises: README's commands are CI's, and the code is lint-clean."""
+"""The repository's promises: README's commands are CI's, the code is lint-clean, plugin folders
+are distributions, and no tracked file names a package index."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 import subprocess
 import sys
@@ -117,21 +120,45 @@ def test_a_stale_plugin_folder_is_skipped_and_named(tmp_path):
     ]
 
 
-# What names a package index: the two public hosts CI used to name, any "/simple" index path,
-# pip's index options and a PIP_*INDEX_URL set to a literal URL. Written as regular expressions
-# (escaped dots, optional groups), so this file does not match its own patterns.
-INDEX_PATTERNS = re.compile(
-    r"download\.pytorch\.org"
-    r"|pypi\.org/simple"
-    r"|files\.pythonhosted\.org"
-    r"|https?://[^\s\"']+/simple\b"
-    r"|--(?:extra-)?index-url"
-    r"|PIP_(?:EXTRA_)?INDEX_URL\s*[:=]\s*[\"']?https?://"
+# Where packages come from is the installer's configuration (pip.conf, the environment, a CI
+# repository variable), never the repository's. Two checks, neither spelling what it looks for:
+# the ways of naming an index (pip's index and find-links options, long or short, a "/simple"
+# index path, an installer variable or a pip.conf key set to a URL), and the hosts of the
+# public indexes themselves, known only by the sha256 of their names: PyPI's pages, its file
+# host and its legacy name, PyTorch's wheel host, Anaconda's channels and NVIDIA's index.
+INDEX_OPTIONS = re.compile(
+    r"--(?:extra-index-url|index-url|find-links)\b"
+    r"|(?<!\S)-[if]\s*[\"']?\w+://"
+    r"|\w+://\S+/simple(?![\w-])"
+    r"|\b(?:PIP|UV)_(?:EXTRA_)?INDEX_URL\s*[:=]\s*[\"']?\w+://"
+    r"|^\s*(?:extra-)?index(?:-url)?\s*=\s*[\"']?\w+://",
+    re.IGNORECASE,
 )
+INDEX_HOSTS = frozenset(
+    {
+        "a4aa2ac280bb8d1a0ce7a1be5a7bfb10292b49fe9435ad5cff19f421f3c70e41",
+        "8b5bb5eb9d758455b8635855cf8aaf05b68775e3f83f0291e800ef338fb9783c",
+        "d6d7019ca9fcbf07c769e445342515ef0c92e4f18a96adbb3bf6460f5b0ba17f",
+        "03e390c8d8a6f2cf7bd2459306b376972ea6d6d28453d4a52dcd6c6c06fc9091",
+        "51c6b9f69c48a75b146d2785c3d70d336d5fdce24868f2e22db377d736f2ef24",
+        "bd848f96e7140691505c2e7fa56266ed0515b223ad2188d7aa428dfc77c2823f",
+    }
+)
+"""sha256 hex digests of index host names; a name matches when it or a parent domain does."""
+HOST_NAME = re.compile(r"(?<![\w.-])(?:[a-z0-9-]+\.)+[a-z]{2,}(?![\w-])", re.IGNORECASE)
 
 
-def index_url_mentions(repo) -> list[str]:
-    """``path:line: text`` for each tracked text file line that names a package index."""
+@functools.cache
+def is_index_host(name: str, hosts: frozenset[str]) -> bool:
+    labels = name.lower().split(".")
+    return any(
+        hashlib.sha256(".".join(labels[i:]).encode()).hexdigest() in hosts
+        for i in range(len(labels) - 1)
+    )
+
+
+def index_mentions(repo, hosts: frozenset[str] = INDEX_HOSTS) -> list[str]:
+    """``path:line: text`` for each line of a tracked text file that names a package index."""
     files = subprocess.run(
         ["git", "ls-files", "-z"], cwd=repo, check=True, capture_output=True, text=True
     ).stdout.split("\0")
@@ -144,31 +171,47 @@ def index_url_mentions(repo) -> list[str]:
         if b"\0" in data[:8192]:
             continue  # binary
         for number, line in enumerate(data.decode(errors="replace").splitlines(), 1):
-            if INDEX_PATTERNS.search(line):
+            if INDEX_OPTIONS.search(line) or any(
+                # Escaped dots too: a regular expression names a host all the same.
+                is_index_host(host, hosts)
+                for host in HOST_NAME.findall(line.replace("\\.", "."))
+            ):
                 found.append(f"{name}:{number}: {line.strip()}")
     return found
 
 
 def test_no_tracked_file_names_a_package_index(repo):
-    """Where packages come from is the installer's configuration (pip.conf, PIP_* variables,
-    a CI repository variable), never the repository's."""
-    assert index_url_mentions(repo) == []
+    assert index_mentions(repo) == []
 
 
 def test_the_package_index_check_finds_what_it_looks_for(tmp_path):
-    # Built at run time, so that no tracked file spells them out.
-    host, https = ".".join(["download", "pytorch", "org"]), "https:" + "//"
+    # The options are joined at run time, so that this file passes its own check; the host
+    # stands for a real index's through its digest.
+    dashes, url = "--", "https://example.invalid"
+    hosts = frozenset({hashlib.sha256(b"index.example").hexdigest()})
     lines = [
-        f"PIP_INDEX_URL: {https}{host}/whl/cpu",
-        f"  PIP_EXTRA_INDEX_URL: '{https}mirror.example/simple'",
-        "pip install " + "--" + f"extra-index-url {https}mirror.example/x torch",
-        f"index = {https}mirror.example/simple/",
+        f"pip install {dashes}extra-index-url {url}/simple torch",
+        f"pip install {dashes}index-url={url}/whl/cpu torch",
+        f"pip install -i {url}/whl/cpu torch",
+        f"{dashes}find-links {url}/wheels",
+        f"  PIP_EXTRA_INDEX_URL: '{url}/whl'",
+        f"export UV_INDEX_URL={url}/whl",
+        f"index-url = {url}/whl",
+        f"see {url}/simple/",
+        "wheels: download.index.example/whl/cpu",  # a subdomain of a known host, no scheme
+        r"re.compile(r'index\.example')",
+    ]
+    fine = [
+        "index = 0",
+        "grep -i pattern file.txt",
+        'echo "PIP_EXTRA_INDEX_URL=$TORCH_INDEX_URL" >> "$GITHUB_ENV"',
+        "the index.examples folder; not-index.example; torch.distributed.checkpoint",
     ]
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    (tmp_path / "ci.yml").write_text("\n".join(["ok: 1", *lines]) + "\n")
+    (tmp_path / "ci.yml").write_text("\n".join([*fine, *lines]) + "\n")
     (tmp_path / "binary.bin").write_bytes(b"\0" + lines[0].encode())
     (tmp_path / "untracked.txt").write_text(lines[0])
     subprocess.run(["git", "add", "ci.yml", "binary.bin"], cwd=tmp_path, check=True)
-    assert index_url_mentions(tmp_path) == [
-        f"ci.yml:{number}: {line.strip()}" for number, line in enumerate(lines, 2)
+    assert index_mentions(tmp_path, hosts) == [
+        f"ci.yml:{number}: {line.strip()}" for number, line in enumerate(lines, len(fine) + 1)
     ]
