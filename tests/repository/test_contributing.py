@@ -19,8 +19,6 @@ import new_plugin
 import pytest
 import stack_check
 
-REPO = Path(__file__).resolve().parents[1]
-
 SOURCE_ID = "ghstack-source-id: 6b1b8ea2c1d84e0c9c0f62a7bd64b3c3e58c9a0e"
 PULL_REQUEST = "Pull-Request: https://github.com/plugtrain/plugtrain/pull/12"
 
@@ -148,7 +146,7 @@ def workspace(tmp_path, repo) -> Path:
 
 
 @pytest.mark.parametrize("name", ["ab", "my_" + "x" * (new_plugin.MAX_NAME - 3)])
-def test_new_plugin_is_the_template_renamed(workspace, name):
+def test_new_plugin_is_the_template_renamed(repo, workspace, name):
     folder = new_plugin.new_plugin(workspace, name)
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     assert files == [
@@ -169,7 +167,7 @@ def test_new_plugin_is_the_template_renamed(workspace, name):
         # The shortest and the longest name: lines shrink and grow, they must stay clean.
         lint = subprocess.run(
             [sys.executable, "-m", "ruff", *ruff, str(folder)],
-            cwd=REPO,
+            cwd=repo,
             capture_output=True,
             text=True,
         )

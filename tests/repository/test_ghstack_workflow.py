@@ -26,11 +26,9 @@ import ghstack.unlink
 import pytest
 import stack_check
 
-REPO = Path(__file__).resolve().parents[1]
-
 OWNER = NAME = "plugtrain"
 SELECTION = ["-m", "not slow", "-q", "-x", "-p", "no:cacheprovider",
-             "-k", "toy or (repository and not ruff)"]  # fmt: skip
+             "-k", "toy or (test_repository and not ruff)"]  # fmt: skip
 """The hook's pytest selection: the toy plugins' own tests and the repository's rules (every
 plugin folder is a distribution listed in requirements-dev.txt...). Not ruff: a lint error
 in the working tree being copied is test_repository's to report, not this test's."""
@@ -126,11 +124,11 @@ def run_script(cwd: Path, script: str, *args: str) -> subprocess.CompletedProces
     )
 
 
-def copy_of_this_repository(target: Path) -> None:
+def copy_of_this_repository(repo: Path, target: Path) -> None:
     """This repository's tracked and unignored files, as they are in the working tree."""
-    files = git(REPO, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    files = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
     for name in files.split("\0"):
-        source = REPO / name
+        source = repo / name
         if name and source.is_file():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / name)
@@ -221,9 +219,9 @@ def add_plugin(clone: Path, name: str) -> str:
 
 
 @pytest.mark.slow
-def test_stacks_are_checked_submitted_and_landed(tmp_path, offline, capsys):
+def test_stacks_are_checked_submitted_and_landed(repo, tmp_path, offline, capsys):
     seed = tmp_path / "seed"
-    copy_of_this_repository(seed)
+    copy_of_this_repository(repo, seed)
     git(seed, "init", "-q")
     git(seed, "add", "-A")
     git(seed, "commit", "-q", "-m", "Import plugtrain")

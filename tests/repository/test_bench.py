@@ -16,15 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
 RECORD_FIELDS = {"benchmark", "command", "args", "machine", "time", "results"}
 MACHINE_FIELDS = {"cpu", "cpu_count", "torch_threads", "load_average", "python", "torch"}
 SUMMARY_FIELDS = {"median", "q1", "q3", "min", "max", "n"}
 
 
-def run_bench(name: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def run_bench(repo: Path, name: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "bench" / f"{name}.py"), *args],
+        [sys.executable, str(repo / "bench" / f"{name}.py"), *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -33,10 +32,10 @@ def run_bench(name: str, tmp_path: Path, *args: str) -> subprocess.CompletedProc
     )
 
 
-def quick_results(name: str, tmp_path: Path, *args: str) -> dict:
+def quick_results(repo: Path, name: str, tmp_path: Path, *args: str) -> dict:
     """Run ``bench/<name>.py --quick`` and return the ``results`` of the JSON it wrote."""
     out = tmp_path / f"{name}.json"
-    result = run_bench(name, tmp_path, "--quick", "--out", str(out), *args)
+    result = run_bench(repo, name, tmp_path, "--quick", "--out", str(out), *args)
     assert result.returncode == 0, result.stderr
     assert "| " in result.stdout  # the printed table
     record = json.loads(out.read_text())
@@ -48,8 +47,8 @@ def quick_results(name: str, tmp_path: Path, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_hook_overhead(tmp_path):
-    results = quick_results("hook_overhead", tmp_path)
+def test_hook_overhead(repo, tmp_path):
+    results = quick_results(repo, "hook_overhead", tmp_path)
     cases = {c["case"]: c for c in results["cases"]}
     assert list(cases) == ["debug-bf16", "tiny-fp16"]
     assert cases["debug-bf16"]["plugins_active"] == ["grad_clip"]
@@ -66,9 +65,8 @@ def test_hook_overhead(tmp_path):
             assert m["control"]["ratio"]["n"] == 3  # C/B: two identical hand-written loops
             assert isinstance(m["target_met"], bool) and isinstance(m["target_proven"], bool)
     # B and C on A's own model: one shared training state, so no loss comparison.
-    (same,) = quick_results("hook_overhead", tmp_path, "--same-model", "--cases", "tiny-fp16")[
-        "cases"
-    ]
+    args = ("--same-model", "--cases", "tiny-fp16")
+    (same,) = quick_results(repo, "hook_overhead", tmp_path, *args)["cases"]
     assert same["same_model"] is True and same["losses_bitwise_equal"] is None
     assert same["cpu"]["ratio"]["n"] == 3
 
@@ -85,8 +83,8 @@ def assert_difference(diff: dict, a: dict, b: dict) -> None:
 
 
 @pytest.mark.slow
-def test_dispatch(tmp_path):
-    results = quick_results("dispatch", tmp_path)
+def test_dispatch(repo, tmp_path):
+    results = quick_results(repo, "dispatch", tmp_path)
     assert results["target_us"] == 20.0
     assert [(r["plugins"], r["grad_accum_steps"]) for r in results["noop"]] == [
         (n, a) for n in (0, 2, 10) for a in (1, 4)
@@ -121,8 +119,8 @@ def test_dispatch(tmp_path):
 
 
 @pytest.mark.slow
-def test_inactive_scaler(tmp_path):
-    results = quick_results("inactive_scaler", tmp_path)
+def test_inactive_scaler(repo, tmp_path):
+    results = quick_results(repo, "inactive_scaler", tmp_path)
     assert results["processes"] == 2
     for rank in results["ranks"]:
         by_dtype = {r["dtype"]: r for r in rank["dtypes"]}
@@ -138,8 +136,8 @@ def test_inactive_scaler(tmp_path):
 
 
 @pytest.mark.slow
-def test_scaling(tmp_path):
-    results = quick_results("scaling", tmp_path)
+def test_scaling(repo, tmp_path):
+    results = quick_results(repo, "scaling", tmp_path)
     one, two = results["configs"]
     assert (one["processes"], two["processes"]) == (1, 2)
     assert len(one["ranks"]) == 1 and len(two["ranks"]) == 2
@@ -154,16 +152,16 @@ def test_scaling(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without CUDA")
-def test_gpu_bench_fails_fast_without_cuda(tmp_path):
-    result = run_bench("gpu", tmp_path, "--out", str(tmp_path / "gpu.json"))
+def test_gpu_bench_fails_fast_without_cuda(repo, tmp_path):
+    result = run_bench(repo, "gpu", tmp_path, "--out", str(tmp_path / "gpu.json"))
     assert result.returncode == 2
     assert "bench/gpu.py: error: no CUDA device available" in result.stderr
     assert not (tmp_path / "gpu.json").exists()
 
 
 @pytest.mark.slow
-def test_data_scale(tmp_path):
-    results = quick_results("data_scale", tmp_path)
+def test_data_scale(repo, tmp_path):
+    results = quick_results(repo, "data_scale", tmp_path)
     (corpus,) = results["corpora"]
     assert corpus["size_mb"] == 0.25 and corpus["tokens"] > 50_000
     for workers in ("1", "2"):
@@ -176,8 +174,8 @@ def test_data_scale(tmp_path):
 
 
 @pytest.mark.slow
-def test_transforms(tmp_path):
-    results = quick_results("transforms", tmp_path)
+def test_transforms(repo, tmp_path):
+    results = quick_results(repo, "transforms", tmp_path)
     (ac,) = results["activation_checkpointing"]
     modes = {m["mode"]: m for m in ac["modes"]}
     assert list(modes) == ["full", "selective-op", "selective-layer"]

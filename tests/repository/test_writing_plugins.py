@@ -11,26 +11,25 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-GUIDE = REPO / "docs" / "writing-plugins.md"
 FILE_BLOCK = re.compile(r"<!-- file: (?P<path>\S+) -->\n```\w*\n(?P<body>.*?)\n```", re.S)
 
 
-def guide_files() -> dict[str, str]:
+def guide_files(repo: Path) -> dict[str, str]:
     """Each ``<!-- file: PATH -->`` code block of the guide, by PATH."""
-    return {m["path"]: m["body"] + "\n" for m in FILE_BLOCK.finditer(GUIDE.read_text())}
+    guide = (repo / "docs" / "writing-plugins.md").read_text()
+    return {m["path"]: m["body"] + "\n" for m in FILE_BLOCK.finditer(guide)}
 
 
-def test_the_guide_gives_a_whole_plugin():
-    assert set(guide_files()) == {
+def test_the_guide_gives_a_whole_plugin(repo):
+    assert set(guide_files(repo)) == {
         "pyproject.toml", "src/plugtrain_grad_stats/__init__.py", "tests/test_grad_stats.py",
     }  # fmt: skip
 
 
 @pytest.mark.slow
-def test_the_guides_plugin_installs_outside_the_repository_and_passes_its_tests(tmp_path):
+def test_the_guides_plugin_installs_outside_the_repository_and_passes_its_tests(repo, tmp_path):
     project = tmp_path / "grad-stats"
-    for path, body in guide_files().items():
+    for path, body in guide_files(repo).items():
         (project / path).parent.mkdir(parents=True, exist_ok=True)
         (project / path).write_text(body)
     # A throwaway environment that sees this one's packages (plugtrain, torch, pytest), so
