@@ -219,29 +219,45 @@ def test_contributing_covers_the_workflow(repo, readme_command):
     text = (repo / "CONTRIBUTING.md").read_text()
     assert readme_command(repo, "setup") in text
     for needed in (
+        "~/.ghstackrc",
         "ghstack submit",
-        "ghstack checkout",
         "ghstack land https://",
+        "Merge button",
+        'python -m pytest -m "not slow"',
+        "python scripts/stack_check.py",
+        "--no-cache",
+        "python scripts/stack_check.py --install-hook",
+        "python scripts/new_plugin.py",
+    ):
+        assert needed in text, needed
+
+
+def test_the_ghstack_notes_keep_what_surprises_and_contributing_links_them(repo):
+    """ghstack 0.18's surprises, read in its source; test_ghstack_workflow.py runs the flows."""
+    notes = (repo / "docs" / "ghstack.md").read_text()
+    words = " ".join(notes.split())  # whatever the line breaks
+    for needed in (
+        "ghstack checkout",
         "ghstack unlink",
-        "git branch later",  # unready work waits on a branch (test_ghstack_workflow.py)
+        "git branch later",  # unready work waits on a branch
         "ghstack unlink HEAD",  # the way out of `ghstack submit HEAD~1`
-        # ghstack 0.18 facts that surprise (read in its source, see the commit adding them)
         "per-user",
         "the variable is ignored",
         "git stash",
         "pushes straight to `main`",
         "allows force pushes",
         "does not fetch",
-        # the stack check's memory
-        ".git/plugtrain-stack-check/",
-        "--no-cache",
-        "Merge button",
-        "~/.ghstackrc",
-        "python scripts/stack_check.py --install-hook",
-        "python scripts/new_plugin.py",
-        'python -m pytest -m "not slow"',
     ):
-        assert needed in text, needed
+        assert needed in words, needed
+    headings = {
+        re.sub(r"[^a-z0-9 -]", "", line.lstrip("# ").lower()).replace(" ", "-")
+        for line in notes.splitlines()
+        if line.startswith("## ")
+    }
+    links = re.findall(
+        r"\(docs/ghstack\.md(?:#([\w-]+))?\)", (repo / "CONTRIBUTING.md").read_text()
+    )
+    assert links and {anchor for anchor in links if anchor} <= headings
 
 
 def test_no_ghstackrc_is_committed_and_one_would_be_ignored(repo, git):

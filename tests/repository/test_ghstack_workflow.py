@@ -380,7 +380,7 @@ def unlink(github: FakeGitHub, clone: Path, commits: list[str]) -> None:
 
 @pytest.mark.slow
 def test_unready_work_waits_on_another_branch(tmp_path, offline):
-    """CONTRIBUTING.md's flow for holding back unready work, and why not `ghstack submit
+    """docs/ghstack.md's flow for holding back unready work, and why not `ghstack submit
     HEAD~1`: in ghstack 0.18 that opens a pull request for the held-back commit anyway,
     unchecked by the hook and without its orig branch, and the next submit fails."""
     seed = tmp_path / "seed"
