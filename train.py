@@ -1,4 +1,4 @@
-"""Train a Llama-style model with plugtrain.
+"""Train a Llama-style model with plugtrain: what ``plugtrain train`` does, from a checkout.
 
     python train.py                                   # the debug model on the Shakespeare sample
     python train.py --config configs/debug.toml --training.steps 50
@@ -10,19 +10,7 @@ The loop is plugtrain.training.trainer.Trainer; plugins enabled in the config ho
 
 import sys
 
-from plugtrain.distributed import destroy_world
-from plugtrain.training.launch import configure, run_cli
-from plugtrain.training.trainer import Trainer
-
-
-def main() -> None:
-    configured = configure(sys.argv[1:])
-    if configured is None:  # --help
-        return
-    config, host = configured
-    Trainer(config, host).run()  # on an error, run_cli reports it and exits
-    destroy_world()
-
+from plugtrain.cli import train
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(train(sys.argv[1:]))

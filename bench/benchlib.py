@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from plugtrain import sample
+
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "data" / "shakespeare"
+DATA = sample.FOLDER
 _LOAD_AT_START = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 """The machine's load averages (1, 5, 15 minutes) when the benchmark started."""
 

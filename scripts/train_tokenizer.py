@@ -1,12 +1,13 @@
 """Train the byte-level BPE tokenizer shipped with the Shakespeare sample corpus.
 
-Regenerate the committed ``data/shakespeare/tokenizer.json`` from the repository root with::
+Regenerate the committed ``core/src/plugtrain/sample/tokenizer.json`` from the repository root
+with::
 
     python scripts/train_tokenizer.py
 
-(defaults: ``--input data/shakespeare/train.jsonl --output data/shakespeare/tokenizer.json
---vocab-size 2048``). The result is deterministic: the same input and vocabulary size give a
-byte-identical file.
+(defaults: ``--input core/src/plugtrain/sample/train.jsonl --output
+core/src/plugtrain/sample/tokenizer.json --vocab-size 2048``). The result is deterministic: the
+same input and vocabulary size give a byte-identical file.
 
 The tokenizer is GPT-2 style byte-level BPE (any UTF-8 text round-trips exactly, no unknown
 token) with the Llama 3 special token names ``<|begin_of_text|>`` and ``<|end_of_text|>`` at
@@ -53,8 +54,9 @@ def train(input_path: Path, vocab_size: int) -> Tokenizer:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", type=Path, default=Path("data/shakespeare/train.jsonl"))
-    parser.add_argument("--output", type=Path, default=Path("data/shakespeare/tokenizer.json"))
+    sample = Path("core/src/plugtrain/sample")
+    parser.add_argument("--input", type=Path, default=sample / "train.jsonl")
+    parser.add_argument("--output", type=Path, default=sample / "tokenizer.json")
     parser.add_argument("--vocab-size", type=int, default=2048)
     args = parser.parse_args(argv)
     if args.vocab_size < 256 + len(SPECIAL_TOKENS):

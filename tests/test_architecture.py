@@ -20,8 +20,9 @@ PLUGIN_API = {"plugtrain.plugin", "plugtrain.testing"}
 tests (the kit's modules, ``plugtrain.testing.<module>``, count as the kit)."""
 TRAINER = "plugtrain.training.trainer"
 """The composition root: only entry points (train.py, the CLI) may import it."""
-TRAINER_IMPORTERS = ["plugtrain.testing.runs"]
-"""The core modules that may: the test kit's runs, an entry point for tests that builds runs."""
+TRAINER_IMPORTERS = ["plugtrain.cli", "plugtrain.testing.runs"]
+"""The core modules that may: the plugtrain command, and the test kit's runs (an entry point for
+tests that builds runs)."""
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import pytest
 
+from plugtrain import sample
 from plugtrain.config import (
+    SHIPPED_CONFIGS,
     _core_sections,
     build_config,
     coerce,
@@ -17,6 +21,8 @@ from plugtrain.config import (
     section_doc,
 )
 from plugtrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def config_from(argv: list[str], plugin_sections: dict | None = None, installed=()):
@@ -29,6 +35,38 @@ def test_defaults_are_the_debug_run():
     assert cfg.training.mixed_precision_param == "float32"
     assert cfg.training.mixed_precision_reduce == "float32"
     assert cfg.plugins.enabled == []
+
+
+def test_default_paths_name_the_shipped_sample_and_other_paths_stay_relative():
+    cfg = config_from([])
+    paths = [cfg.model.tokenizer_path, cfg.data.train_path, cfg.data.validation_path]
+    assert paths == ["sample:tokenizer.json", "sample:train.jsonl", "sample:validation.jsonl"]
+    assert [sample.resolve(p) for p in paths] == [
+        sample.FOLDER / name for name in ("tokenizer.json", "train.jsonl", "validation.jsonl")
+    ]
+    assert all(sample.resolve(p).is_file() for p in paths)
+    assert sample.resolve("data/train.jsonl") == Path("data/train.jsonl")
+
+
+def test_config_names_a_shipped_config_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    debug = tomllib.loads((REPO / "configs" / "debug.toml").read_text())
+    assert merged_values(parse_command_line(["--config", "debug"])) == debug
+    (tmp_path / "debug").write_text("[training]\nsteps = 3\n")  # a file of that name wins
+    assert merged_values(parse_command_line(["--config", "debug"])) == {"training": {"steps": 3}}
+    with pytest.raises(ConfigError) as e:
+        merged_values(parse_command_line(["--config", "debgu"]))
+    assert str(e.value) == (
+        "config file 'debgu' not found: pass an existing file to --config, or the name of a "
+        "shipped config (debug, llama3_8b)"
+    )
+
+
+def test_the_shipped_configs_are_the_repository_configs():
+    # One copy: the package's configs folder links to the repository's.
+    ours = sorted((REPO / "configs").glob("*.toml"))
+    assert [p.name for p in sorted(SHIPPED_CONFIGS.glob("*.toml"))] == [p.name for p in ours]
+    assert all((SHIPPED_CONFIGS / p.name).samefile(p) for p in ours)
 
 
 def test_toml_then_command_line_overrides(tmp_path):

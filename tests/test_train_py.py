@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 from plugtrain_grad_clip import GradClipConfig
 from plugtrain_grad_scaler import GradScalerConfig
 from plugtrain_hook_recorder import HookRecorderConfig
 
+from plugtrain import sample
 from plugtrain.config import JobConfig
 from plugtrain.host.plugin_host import installed_plugins
 from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
@@ -73,15 +73,16 @@ def test_a_training_file_too_small_names_itself(tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_missing_tokenizer_suggests_an_example_that_exists_from_the_cwd(tmp_path, train_py):
+def test_missing_tokenizer_suggests_the_shipped_one_which_any_folder_finds(tmp_path, train_py):
     args = [*tiny_args(tmp_path), "--model.tokenizer_path", "nope.json"]
-    result = run_script(train_py, args, cwd=tmp_path)  # the shipped sample is not under tmp_path
+    result = run_script(train_py, args, cwd=tmp_path)  # the repository is not under tmp_path
     assert result.returncode == 2, result.stderr
     (line,) = result.stderr.strip().splitlines()
-    assert "tokenizer file 'nope.json' not found: set model.tokenizer_path" in line
-    example = re.search(r"\(e\.g\. (.+)\)$", line)
-    assert example, line
-    assert (tmp_path / example[1]).is_file(), line
+    assert line.endswith(
+        "tokenizer file 'nope.json' not found: set model.tokenizer_path to a tokenizer.json "
+        "(e.g. sample:tokenizer.json)"
+    )
+    assert sample.resolve("sample:tokenizer.json").is_file()
 
 
 def test_help_lists_every_section_and_field(tmp_path, train_py):

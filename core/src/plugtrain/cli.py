@@ -1,10 +1,12 @@
-"""The plugtrain command: look at the installed plugins and finished runs, prepare data.
+"""The plugtrain command: train, look at the installed plugins and finished runs, prepare data.
 
+  plugtrain train [--config FILE|NAME] [--section.key VALUE ...]  # train; --help: every field
   plugtrain plugins [--config FILE] [--plugins.enabled NAMES]  # installed plugins, their hooks
   plugtrain plot RUN_DIR [RUN_DIR ...] [-o metrics.png]        # draw and compare runs
   plugtrain prepare-data INPUT [INPUT ...] -o OUT --tokenizer FILE  # tokenize a corpus once
 
-Training runs through train.py: python train.py --help lists every config field.
+With no arguments, plugtrain train trains the debug model on the Shakespeare sample shipped
+with plugtrain; --config debug names the shipped configs/debug.toml.
 """
 
 from __future__ import annotations
@@ -12,11 +14,30 @@ from __future__ import annotations
 import argparse
 import sys
 
+from plugtrain import sample
 from plugtrain.config import enabled_plugins, merged_values, parse_command_line
 from plugtrain.data.prepare import SHARD_TOKENS, prepare
+from plugtrain.distributed import destroy_world
 from plugtrain.host.plugin_host import PluginHost, installed_plugins
 from plugtrain.observability.plot import plot_runs
-from plugtrain.training.launch import run_cli
+from plugtrain.training.launch import configure, run_cli
+
+
+def train(argv: list[str], prog: str = "train.py") -> int:
+    """Run the training command line ``argv`` (``train.py``'s, ``plugtrain train``'s) and
+    return its exit status; ``prog`` names the command in ``--help``."""
+
+    def main() -> None:
+        from plugtrain.training.trainer import Trainer  # not for --help or a config error
+
+        configured = configure(argv, prog)
+        if configured is None:  # --help
+            return
+        config, host = configured
+        Trainer(config, host).run()  # on an error, run_cli reports it and exits
+        destroy_world()
+
+    return run_cli(main)
 
 
 def list_plugins(config_args: list[str]) -> int:
@@ -54,7 +75,7 @@ def prepare_data(args: argparse.Namespace) -> int:
     result = prepare(
         args.inputs,
         args.output,
-        args.tokenizer,
+        sample.resolve(args.tokenizer),
         text_field=args.text_field,
         workers=args.workers,
         shard_tokens=args.shard_tokens,
@@ -76,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="plugtrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    # Its arguments go to train() as they are: argparse must neither read nor reorder them.
+    sub.add_parser("train", add_help=False, help="train a model (train --help: every field)")
     sub.add_parser(
         "plugins",
         usage="plugtrain plugins [-h] [--config FILE] [--plugins.enabled NAMES]",
@@ -103,10 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     data.add_argument("inputs", nargs="+", metavar="INPUT", help="a file, folder or glob")
     data.add_argument("-o", "--output", required=True, help="the prepared folder to write")
-    data.add_argument("--tokenizer", required=True, help="a tokenizers tokenizer.json")
+    data.add_argument(
+        "--tokenizer",
+        required=True,
+        help="a tokenizers tokenizer.json (sample:tokenizer.json: the shipped sample's)",
+    )
     data.add_argument("--text-field", default="text", help="JSON key / Parquet column of text")
     data.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     data.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        return train(argv[1:], prog="plugtrain train")
     args, rest = parser.parse_known_args(argv)
     if args.command == "prepare-data":
         if rest:

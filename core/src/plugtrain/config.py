@@ -44,8 +44,10 @@ class ModelConfig:
 
     flavor: str = field(default="debug", metadata={"choices": tuple(FLAVORS)})
     """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.transformer.FLAVORS``)."""
-    tokenizer_path: str = "data/shakespeare/tokenizer.json"
-    """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's."""
+    tokenizer_path: str = "sample:tokenizer.json"
+    """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's. Here and in
+    the data paths, ``sample:NAME`` names a file of the Shakespeare sample shipped with plugtrain;
+    any other path is relative to the current folder."""
 
     def __post_init__(self) -> None:
         if self.flavor not in FLAVORS:
@@ -138,9 +140,9 @@ class LRSchedulerConfig:
 class DataConfig:
     """The training and validation documents."""
 
-    train_path: str = "data/shakespeare/train.jsonl"
+    train_path: str = "sample:train.jsonl"
     """JSONL file of training documents, one JSON object per line."""
-    validation_path: str = "data/shakespeare/validation.jsonl"
+    validation_path: str = "sample:validation.jsonl"
     """JSONL file of held-out documents for the validation loss."""
     text_field: str = "text"
     """The key of each JSON object that holds the document's text."""
@@ -537,11 +539,28 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     return cli
 
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+"""The configs shipped with plugtrain (the repository's configs/ folder)."""
+
+
+def config_file(path: str) -> Path:
+    """``--config``'s file: ``path``, or for a bare name such as ``debug`` that is no file, the
+    shipped config of that name (``configs/debug.toml``)."""
+    p = Path(path)
+    if p.is_file() or p.name != path or p.suffix:
+        return p
+    return SHIPPED_CONFIGS / f"{path}.toml"
+
+
 def read_toml(path: str) -> dict[str, Any]:
     """Read a TOML config file, with one-line errors for a missing or malformed file."""
-    p = Path(path)
+    p = config_file(path)
     if not p.is_file():
-        raise ConfigError(f"config file '{path}' not found: pass an existing file to --config")
+        shipped = ", ".join(sorted(c.stem for c in SHIPPED_CONFIGS.glob("*.toml")))
+        raise ConfigError(
+            f"config file '{path}' not found: pass an existing file to --config, or the name "
+            f"of a shipped config ({shipped})"
+        )
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -633,18 +652,23 @@ def _help_section(lines: list[str], section: str, cls: type) -> None:
 
 
 def format_help(
-    plugin_sections: dict[str, type], disabled_plugins: dict[str, type | str | None] | None = None
+    plugin_sections: dict[str, type],
+    disabled_plugins: dict[str, type | str | None] | None = None,
+    prog: str = "train.py",
 ) -> str:
-    """Every section and field with its type, default and docstring.
+    """Every section and field with its type, default and docstring, for the command ``prog``.
 
     ``plugin_sections`` are the enabled plugins' sections; ``disabled_plugins`` maps each
     installed plugin that is not enabled to its config dataclass, ``None`` for a plugin
     without one, or a string saying why it could not be loaded.
     """
     lines = [
-        "usage: train.py [--config FILE] [--section.key VALUE ...]",
+        f"usage: {prog} [--config FILE] [--section.key VALUE ...]",
         "",
         "Every field can be set in the TOML file's [section] or overridden on the command line.",
+        "--config takes a TOML file, or the name of a config shipped with plugtrain: "
+        + ", ".join(sorted(c.stem for c in SHIPPED_CONFIGS.glob("*.toml")))
+        + ".",
     ]
     sections = {**_core_sections(), **plugin_sections}
     for section, cls in sections.items():

@@ -9,30 +9,21 @@ name their special tokens ``<|begin_of_text|>`` and ``<|end_of_text|>``, so eith
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
 
+from plugtrain import sample
 from plugtrain.errors import DataError, MissingFileError
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
 
-_SAMPLE = Path("data/shakespeare/tokenizer.json")
-
 
 def _fix() -> str:
-    """How to set model.tokenizer_path, with the shipped sample as example if it exists.
-
-    The sample's path is relative to the repository: run from another folder, it is tried next
-    to the script being run (train.py, at the repository's root), and left out if not found.
-    """
-    for example in (_SAMPLE, Path(sys.argv[0]).resolve().parent / _SAMPLE):
-        if example.is_file():
-            return f"set model.tokenizer_path to a tokenizer.json (e.g. {example})"
-    return "set model.tokenizer_path to a tokenizer.json"
+    """How to set model.tokenizer_path, with the shipped sample's tokenizer as example."""
+    return f"set model.tokenizer_path to a tokenizer.json (e.g. {sample.PREFIX}tokenizer.json)"
 
 
 class Tokenizer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plugtrain import sample
 from plugtrain.plugin import (
     LossContext,
     ModelContext,
@@ -52,17 +52,9 @@ Plugins = Sequence[tuple[str, object | None]]
 enabled plugin ``name`` to that position."""
 
 
-def _sample_folder() -> Path:
-    override = os.environ.get("PLUGTRAIN_SAMPLE")
-    if override:
-        return Path(override)
-    # The repository's data/ beside core/src/plugtrain/ (an editable install or a checkout).
-    return Path(__file__).resolve().parents[4] / "data" / "shakespeare"
-
-
-SAMPLE = _sample_folder()
-"""The shipped Shakespeare sample (``tokenizer.json``, ``validation.jsonl``); the environment
-variable ``PLUGTRAIN_SAMPLE`` names another folder holding the same two files."""
+SAMPLE = sample.FOLDER
+"""The shipped Shakespeare sample's folder (``train.jsonl``, ``validation.jsonl``,
+``tokenizer.json``), inside the installed package."""
 
 
 def tiny_args(dump_folder: str | Path, *extra: str, steps: int = 3) -> list[str]:

@@ -21,8 +21,9 @@ from plugtrain.errors import PluginError, UserError
 from plugtrain.host.plugin_host import PluginHost, config_section_of, installed_plugins
 
 
-def configure(argv: list[str]) -> tuple[JobConfig, PluginHost] | None:
-    """Parse ``argv``, load the enabled plugins, build the config; None after ``--help``.
+def configure(argv: list[str], prog: str = "train.py") -> tuple[JobConfig, PluginHost] | None:
+    """Parse ``argv``, load the enabled plugins, build the config; None after ``--help``
+    (whose usage line names the command ``prog``).
 
     Plugins are loaded before the config is validated, because each plugin's config section
     is the dataclass it declares through the ``config_section`` hook.
@@ -33,7 +34,7 @@ def configure(argv: list[str]) -> tuple[JobConfig, PluginHost] | None:
     host.load_enabled(enabled_plugins(values))
     sections = host.results("config_section")
     if cli.help:
-        print(format_help(sections, _disabled_sections(host.names())))
+        print(format_help(sections, _disabled_sections(host.names()), prog))
         return None
     return build_config(values, sections, installed_plugins()), host
 

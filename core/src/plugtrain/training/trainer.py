@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from plugtrain import sample
 from plugtrain.checkpoint.manager import CheckpointManager
 from plugtrain.config import JobConfig
 from plugtrain.data.cache import open_token_store
@@ -88,7 +89,7 @@ class Trainer:
         self.param_dtype = DTYPES[train_cfg.mixed_precision_param]
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
 
-        self.tokenizer = Tokenizer.from_file(config.model.tokenizer_path)
+        self.tokenizer = Tokenizer.from_file(sample.resolve(config.model.tokenizer_path))
         self.train_data = self._train_dataset()
         self.val_data: PackedDataset | None = None
         if config.validation.interval:
@@ -192,9 +193,9 @@ class Trainer:
     def _dataset(self, path: str, key: str) -> PackedDataset:
         """The samples of config key ``key``'s prepared folder or data file (see data.cache)."""
         store = open_token_store(
-            path,
+            sample.resolve(path),
             key,
-            self.config.model.tokenizer_path,
+            sample.resolve(self.config.model.tokenizer_path),
             self.config.data.text_field,
             is_main=self.world.is_main,
             barrier=dist.barrier if self.world.world_size > 1 else None,
