@@ -30,25 +30,45 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path, known: set[str]) -> set[str]:
-    """Every ``plugtrain`` module ``path`` imports, anywhere in the file."""
+def front_doors() -> dict[str, dict[str, str]]:
+    """Each core package's front door (``plugtrain.exports.front_door``): the module of the
+    package that each re-exported name comes from."""
+    doors = {}
+    for init in CORE.rglob("__init__.py"):
+        for node in ast.walk(ast.parse(init.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "front_door":
+                package = module_name(init, CORE)
+                modules = ast.literal_eval(node.args[1])
+                doors[package] = {
+                    n: f"{package}.{m}" for m, names in modules.items() for n in names
+                }
+    return doors
+
+
+def imported_modules(
+    path: Path, known: set[str], doors: Mapping[str, Mapping[str, str]] | None = None
+) -> set[str]:
+    """Every ``plugtrain`` module ``path`` imports, anywhere in the file; a name imported
+    through a front door in ``doors`` counts as an import of the module that holds it."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # ``from plugtrain.observability import trace`` imports a module, not a name.
-            found |= {
-                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
-                for a in node.names
-            }
+            door = (doors or {}).get(node.module, {})
+            for a in node.names:
+                # ``from plugtrain.observability import trace`` imports a module, not a name.
+                if f"{node.module}.{a.name}" in known:
+                    found.add(f"{node.module}.{a.name}")
+                else:
+                    found.add(door.get(a.name, node.module))
     return {name for name in found if name == "plugtrain" or name.startswith("plugtrain.")}
 
 
 def core_graph() -> dict[str, set[str]]:
     paths = {module_name(p, CORE): p for p in CORE.rglob("*.py")}
-    known = set(paths)
-    return {name: imported_modules(path, known) - {name} for name, path in paths.items()}
+    known, doors = set(paths), front_doors()
+    return {name: imported_modules(path, known, doors) - {name} for name, path in paths.items()}
 
 
 def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
@@ -144,6 +164,26 @@ def architecture_rows() -> dict[str, str]:
             for cell in line.split("|")[1].split(","):
                 rows[cell.strip().strip("`")] = line
     return rows
+
+
+def test_other_packages_enter_a_package_through_its_front_door():
+    """``from plugtrain.host import PluginHost``, not ``plugtrain.host.plugin_host``, from
+    outside ``host/``: a module can then move inside its package. A name that is also the name
+    of one of the package's modules (``data.prepare.prepare``) cannot pass the front door."""
+    offenders = []
+    for path in CORE.rglob("*.py"):
+        own = path.relative_to(CORE).parts[1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module):
+                continue
+            parts = node.module.split(".")
+            if len(parts) != 3 or parts[0] != "plugtrain" or parts[1] == own:
+                continue
+            package = CORE / "plugtrain" / parts[1]
+            shadowed = {a.name for a in node.names if (package / f"{a.name}.py").exists()}
+            if {a.name for a in node.names} - shadowed:
+                offenders.append(f"{path.relative_to(CORE)}: from {node.module} import ...")
+    assert offenders == []
 
 
 def test_the_architecture_doc_names_every_core_module():

@@ -16,11 +16,12 @@ import sys
 
 from plugtrain import sample
 from plugtrain.config import enabled_plugins, merged_values, parse_command_line
-from plugtrain.data.prepare import SHARD_TOKENS, prepare
+from plugtrain.data import SHARD_TOKENS
+from plugtrain.data.prepare import prepare  # a module of the same name hides it in the front door
 from plugtrain.distributed import destroy_world
-from plugtrain.host.plugin_host import PluginHost, installed_plugins
-from plugtrain.observability.plot import plot_runs
-from plugtrain.training.launch import configure, run_cli
+from plugtrain.host import PluginHost, installed_plugins
+from plugtrain.observability import plot_runs
+from plugtrain.training import configure, run_cli
 
 
 def train(argv: list[str], prog: str = "train.py") -> int:
@@ -28,7 +29,7 @@ def train(argv: list[str], prog: str = "train.py") -> int:
     return its exit status; ``prog`` names the command in ``--help``."""
 
     def main() -> None:
-        from plugtrain.training.trainer import Trainer  # not for --help or a config error
+        from plugtrain.training import Trainer  # not for --help or a config error
 
         configured = configure(argv, prog)
         if configured is None:  # --help

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from plugtrain.errors import ConfigError, FieldError, check_field, did_you_mean, require_extra
-from plugtrain.model.transformer import FLAVORS
+from plugtrain.model import FLAVORS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 

@@ -1,1 +1,10 @@
 """Checkpointing: DCP checkpoints, exact resume, preemption."""
+
+from plugtrain.exports import front_door
+
+__getattr__, __dir__, __all__ = front_door(
+    __name__,
+    {
+        "manager": ["CheckpointManager"],
+    },
+)

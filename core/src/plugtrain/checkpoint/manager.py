@@ -71,7 +71,7 @@ from plugtrain.checkpoint.rng import rng_state, set_rng_state
 from plugtrain.config import CheckpointConfig, fixed_on_resume
 from plugtrain.distributed import World
 from plugtrain.errors import CheckpointError, one_line
-from plugtrain.host.plugin_host import PluginHost
+from plugtrain.host import PluginHost
 
 logger = logging.getLogger("plugtrain")
 

@@ -1,1 +1,11 @@
 """The model: a Llama-style transformer and its FSDP2 sharding."""
+
+from plugtrain.exports import front_door
+
+__getattr__, __dir__, __all__ = front_door(
+    __name__,
+    {
+        "sharding": ["DTYPES", "build_model", "reshard"],
+        "transformer": ["FLAVORS", "Transformer"],
+    },
+)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from plugtrain.errors import ConfigError
-from plugtrain.host.plugin_host import Implementation, PluginHost
+from plugtrain.host import Implementation, PluginHost
 from plugtrain.observability.costs import CostCounter
 
 logger = logging.getLogger("plugtrain")

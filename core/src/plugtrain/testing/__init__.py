@@ -44,104 +44,35 @@ in any module, test files included (a module that is not importable by name, as 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from plugtrain.exports import front_door
 
-if TYPE_CHECKING:
-    from plugtrain.testing.checks import (
-        Costs,
-        PeakMemory,
-        StepWatcher,
-        assert_costs,
-        check_order_independence,
-        count_costs,
-    )
-    from plugtrain.testing.contexts import model_context, setup_context, step_context
-    from plugtrain.testing.faults import InjectInf, SigtermAt, interrupted_and_resumed, poison
-    from plugtrain.testing.processes import free_port, run_distributed, run_script
-    from plugtrain.testing.pytest_plugin import plugtrain_run
-    from plugtrain.testing.reference import (
-        InMemoryStream,
-        build_dataset,
-        load_jsonl_texts,
-        tokenize_documents,
-    )
-    from plugtrain.testing.runs import (
-        SAMPLE,
-        HookLog,
-        RunResult,
-        Trainer,
-        cross_entropy,
-        make_trainer,
-        parameter_checksums,
-        read_metrics,
-        tiny_args,
-        tiny_run,
-    )
-
-_MODULE_OF = {
-    **dict.fromkeys(
-        ["SAMPLE", "HookLog", "RunResult", "Trainer", "cross_entropy", "make_trainer",
-         "parameter_checksums", "read_metrics", "tiny_args", "tiny_run"], "runs",
-    ),
-    **dict.fromkeys(["free_port", "run_distributed", "run_script"], "processes"),
-    **dict.fromkeys(["model_context", "setup_context", "step_context"], "contexts"),
-    **dict.fromkeys(["InjectInf", "SigtermAt", "interrupted_and_resumed", "poison"], "faults"),
-    **dict.fromkeys(
-        ["Costs", "PeakMemory", "StepWatcher", "assert_costs", "check_order_independence",
-         "count_costs"], "checks",
-    ),
-    "plugtrain_run": "pytest_plugin",
-    **dict.fromkeys(
-        ["InMemoryStream", "build_dataset", "load_jsonl_texts", "tokenize_documents"], "reference",
-    ),
-}  # fmt: skip
-"""Each public name, and the module of this package that holds it."""
-
-__all__ = [
-    "SAMPLE",
-    "Costs",
-    "HookLog",
-    "InMemoryStream",
-    "InjectInf",
-    "PeakMemory",
-    "RunResult",
-    "SigtermAt",
-    "StepWatcher",
-    "Trainer",
-    "assert_costs",
-    "build_dataset",
-    "check_order_independence",
-    "count_costs",
-    "cross_entropy",
-    "free_port",
-    "interrupted_and_resumed",
-    "load_jsonl_texts",
-    "make_trainer",
-    "model_context",
-    "parameter_checksums",
-    "plugtrain_run",
-    "poison",
-    "read_metrics",
-    "run_distributed",
-    "run_script",
-    "setup_context",
-    "step_context",
-    "tiny_args",
-    "tiny_run",
-    "tokenize_documents",
-]
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name from its module on first use, so that importing the package (as
-    pytest does, to load the plugin) imports no torch."""
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__, __all__ = front_door(
+    __name__,
+    {
+        "checks": [
+            "Costs",
+            "PeakMemory",
+            "StepWatcher",
+            "assert_costs",
+            "check_order_independence",
+            "count_costs",
+        ],
+        "contexts": ["model_context", "setup_context", "step_context"],
+        "faults": ["InjectInf", "SigtermAt", "interrupted_and_resumed", "poison"],
+        "processes": ["free_port", "run_distributed", "run_script"],
+        "pytest_plugin": ["plugtrain_run"],
+        "reference": ["InMemoryStream", "build_dataset", "load_jsonl_texts", "tokenize_documents"],
+        "runs": [
+            "SAMPLE",
+            "HookLog",
+            "RunResult",
+            "Trainer",
+            "cross_entropy",
+            "make_trainer",
+            "parameter_checksums",
+            "read_metrics",
+            "tiny_args",
+            "tiny_run",
+        ],
+    },
+)

@@ -48,7 +48,7 @@ class Costs:
 def _counted_run(
     dump_folder: Path, steps: int, args: Sequence[str], plugins: Plugins, plugin: str | None
 ) -> tuple[Counter[str], Counter[str], float]:
-    from plugtrain.observability.costs import CostCounter
+    from plugtrain.observability import CostCounter
 
     argv = [*args, "--metrics.log_freq", "1000"]
     if plugin is not None:

@@ -85,7 +85,7 @@ def _configured(
 ) -> tuple[JobConfig, Callable[[object], str]]:
     """A tiny run's validated config with ``values`` (in a TOML file) and ``args`` on top, and
     ``name_of`` answering from ``plugins``."""
-    from plugtrain.training.launch import configure
+    from plugtrain.training import configure
 
     folder = Path(tempfile.mkdtemp(prefix="plugtrain-setup-"))
     if values:
@@ -156,7 +156,7 @@ def model_context(
     ``Transformer``, on the CPU and initialised (seed 0), unless ``model`` is given: the hooks
     can be checked by running it. One process, the CPU.
     """
-    from plugtrain.model.transformer import FLAVORS, Transformer
+    from plugtrain.model import FLAVORS, Transformer
 
     config, name_of = _configured(plugins, args)
     if model is None:

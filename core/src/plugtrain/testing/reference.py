@@ -16,9 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plugtrain.data.pipeline import PackedDataset
-from plugtrain.data.sources import iter_documents
-from plugtrain.data.tokenizer import Tokenizer
+from plugtrain.data import PackedDataset, Tokenizer, iter_documents
 from plugtrain.errors import DataError, MissingFileError
 
 

@@ -31,8 +31,7 @@ from plugtrain.plugin import (
 )
 from plugtrain.testing.processes import run_distributed
 from plugtrain.testing.session import session_cache
-from plugtrain.training.launch import configure
-from plugtrain.training.trainer import Trainer, cross_entropy
+from plugtrain.training import Trainer, configure, cross_entropy
 
 __all__ = [
     "SAMPLE",

@@ -1,1 +1,11 @@
 """The training loop: the trainer, its optimizer and schedule, the launch from a command line."""
+
+from plugtrain.exports import front_door
+
+__getattr__, __dir__, __all__ = front_door(
+    __name__,
+    {
+        "launch": ["configure", "run_cli"],
+        "trainer": ["Trainer", "cross_entropy"],
+    },
+)

@@ -18,7 +18,7 @@ from plugtrain.config import (
     parse_command_line,
 )
 from plugtrain.errors import PluginError, UserError
-from plugtrain.host.plugin_host import PluginHost, config_section_of, installed_plugins
+from plugtrain.host import PluginHost, config_section_of, installed_plugins
 
 
 def configure(argv: list[str], prog: str = "train.py") -> tuple[JobConfig, PluginHost] | None:

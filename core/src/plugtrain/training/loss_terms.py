@@ -12,7 +12,7 @@ import torch
 
 from plugtrain.distributed import all_reduce_mean
 from plugtrain.errors import PluginError
-from plugtrain.host.plugin_host import PluginHost
+from plugtrain.host import PluginHost
 from plugtrain.plugin import LossContext, StepContext
 
 

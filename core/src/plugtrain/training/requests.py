@@ -15,8 +15,8 @@ import os
 
 import torch.distributed as dist
 
-from plugtrain.checkpoint.manager import CheckpointManager
-from plugtrain.data.skips import SkippingLoader, read_skip_file, write_skip_file
+from plugtrain.checkpoint import CheckpointManager
+from plugtrain.data import SkippingLoader, read_skip_file, write_skip_file
 from plugtrain.distributed import World
 from plugtrain.plugin import Rewind, RunControl, SkipRange
 

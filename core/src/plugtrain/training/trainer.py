@@ -20,28 +20,35 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plugtrain import sample
-from plugtrain.checkpoint.manager import CheckpointManager
+from plugtrain.checkpoint import CheckpointManager
 from plugtrain.config import JobConfig
-from plugtrain.data.cache import open_token_store
-from plugtrain.data.mixture import MixtureDataset
-from plugtrain.data.pipeline import (
+from plugtrain.data import (
+    DevicePrefetcher,
     MicroBatch,
+    MixtureDataset,
     PackedDataset,
+    SkippingLoader,
     StatefulBatchLoader,
+    Tokenizer,
     count_eval_batches,
     iter_eval_batches,
+    open_token_store,
 )
-from plugtrain.data.prefetch import DevicePrefetcher
-from plugtrain.data.skips import SkippingLoader
-from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.distributed import World, all_reduce_mean, init_world
-from plugtrain.host.plugin_host import PluginHost
-from plugtrain.model.sharding import DTYPES, build_model, reshard
-from plugtrain.model.transformer import FLAVORS, Transformer
-from plugtrain.observability.logs import setup_logging
-from plugtrain.observability.metrics import MetricsLogger, to_number, write_run_records
-from plugtrain.observability.timing import StepTimer, peak_memory_gib, peak_tflops, throughput
-from plugtrain.observability.trace import HookTracer, tracing_requested
+from plugtrain.host import PluginHost
+from plugtrain.model import DTYPES, FLAVORS, Transformer, build_model, reshard
+from plugtrain.observability import (
+    HookTracer,
+    MetricsLogger,
+    StepTimer,
+    peak_memory_gib,
+    peak_tflops,
+    setup_logging,
+    throughput,
+    to_number,
+    tracing_requested,
+    write_run_records,
+)
 from plugtrain.plugin import (
     ModelContext,
     RunControl,
