@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from plugtrain.cli import main, train
+from plugtrain.training.launch import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def help_of(argv: list[str], capsys) -> list[str]:
@@ -41,3 +49,28 @@ def test_train_is_train_py_under_its_own_name(capsys):
     assert main(["train", "--training.stepz", "3"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("plugtrain: error: unknown config key 'training.stepz'")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[REPO / "train.py", "--help"], ["-m", "plugtrain", "--help"], ["-m", "plugtrain", "plugins"]],
+    ids=["train.py --help", "plugtrain --help", "plugtrain plugins"],
+)
+def test_output_into_a_pipe_whose_reader_left_ends_quietly(argv):
+    read, write = os.pipe()
+    os.close(read)  # the reader left before the first line, as `head` may
+    # Buffered, as a terminal's user runs it (unbuffered, argparse's own help swallows the error).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    with os.fdopen(write, "wb") as out:
+        result = subprocess.run(
+            [sys.executable, *argv], stdout=out, stderr=subprocess.PIPE, env=env
+        )
+    assert (result.returncode, result.stderr.decode()) == (141, "")
+
+
+def test_a_broken_pipe_elsewhere_is_reported_as_an_error(capfd):
+    def main() -> None:
+        raise BrokenPipeError("a worker's pipe")
+
+    assert run_cli(main) == 1
+    assert "BrokenPipeError: a worker's pipe" in capfd.readouterr().err

@@ -21,7 +21,7 @@ from plugtrain.data.prepare import prepare  # a module of the same name hides it
 from plugtrain.distributed import destroy_world
 from plugtrain.host import PluginHost, installed_plugins
 from plugtrain.observability import plot_runs
-from plugtrain.training import configure, run_cli
+from plugtrain.training import configure, ends_quietly, run_cli
 
 
 def train(argv: list[str], prog: str = "train.py") -> int:
@@ -38,7 +38,7 @@ def train(argv: list[str], prog: str = "train.py") -> int:
         Trainer(config, host).run()  # on an error, run_cli reports it and exits
         destroy_world()
 
-    return run_cli(main)
+    return ends_quietly(lambda: run_cli(main))
 
 
 def list_plugins(config_args: list[str]) -> int:
@@ -93,6 +93,16 @@ def prepare_data(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the plugtrain command line ``argv`` (default: this process's) and return its exit
+    status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        return train(argv[1:], prog="plugtrain train")
+    return ends_quietly(lambda: command(argv))
+
+
+def command(argv: list[str]) -> int:
+    """Run every sub-command but ``train`` (whose arguments argparse must not see)."""
     # Raw: the description's command lines must stay one per line, not be refilled.
     parser = argparse.ArgumentParser(
         prog="plugtrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -135,9 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--text-field", default="text", help="JSON key / Parquet column of text")
     data.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     data.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard")
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["train"]:
-        return train(argv[1:], prog="plugtrain train")
     args, rest = parser.parse_known_args(argv)
     if args.command == "prepare-data":
         if rest:

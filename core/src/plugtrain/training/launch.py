@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import select
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -69,7 +71,9 @@ def run_cli(main: Callable[[], int | None]) -> int:
         code, message = 2, f"error: {e}"
     except KeyboardInterrupt:
         code, message = 130, "interrupted (KeyboardInterrupt): stopped at once, without saving"
-    except Exception:
+    except Exception as e:
+        if isinstance(e, BrokenPipeError) and stdout_is_closed():
+            raise  # the reader of our output left (| head): ends_quietly ends the command
         code, message = 1, ""
         traceback.print_exc()
     rank = int(os.environ.get("RANK", "0"))
@@ -84,3 +88,29 @@ def run_cli(main: Callable[[], int | None]) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def stdout_is_closed() -> bool:
+    """Whether standard output is a pipe or socket that nobody reads any more."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file: a test's capture, a closed stream
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def ends_quietly(main: Callable[[], int]) -> int:
+    """Run a command's ``main`` and return its exit status; when the reader of its output
+    leaves early (``plugtrain plugins | head``), end quietly with status 141, as a Unix tool
+    that SIGPIPE kills does (128 + SIGPIPE), rather than print a traceback."""
+    try:
+        try:
+            return main()
+        finally:
+            sys.stdout.flush()  # now, not at exit, where a failure prints a warning
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit: devnull takes what is left.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
