@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import re
 import subprocess
 import sys
 import textwrap
@@ -76,10 +77,9 @@ class NeedsArgs:
 
 def test_help_survives_a_broken_plugin_that_is_not_enabled(monkeypatch, capsys):
     fake_entry_points(monkeypatch, broken="plugtrain_no_such_module_xyz:Plugin")
-    assert configure(["--help"]) is None
-    lines = capsys.readouterr().out.splitlines()
-    heading = lines.index("[broken] (installed, not enabled: add it to plugins.enabled)")
-    assert lines[heading + 1].startswith("  (cannot be loaded: plugin 'broken' (distribution")
+    assert configure(["--help"]) is None  # named, never imported
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"Installed plugins that are not enabled: [^.]*\bbroken\b", out), out
 
 
 def test_typo_hook_is_refused_with_suggestion():

@@ -109,14 +109,9 @@ def test_help_lists_every_section_and_field(tmp_path, train_py):
             assert len(documented) == 1, f"{section}.{field.name}"
 
 
-def test_help_shows_every_installed_plugin_marked_not_enabled(train_py):
-    result = run_script(train_py, ["--help"])
+def test_help_names_every_installed_plugin_that_is_not_enabled(train_py):
+    result = run_script(train_py, ["--plugins.enabled", "grad_clip", "--help"])
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    marked = "(installed, not enabled: add it to plugins.enabled)"
-    assert {f"[{name}] {marked}" for name in installed_plugins()} <= set(lines)
-    shipped = {"grad_clip": GradClipConfig, "hook_recorder": HookRecorderConfig}
-    for name, cls in shipped.items():
-        start = lines.index(f"[{name}] {marked}")
-        for f in dataclasses.fields(cls):
-            assert any(line.startswith(f"  --{name}.{f.name} (") for line in lines[start:]), f.name
+    others = ", ".join(sorted(set(installed_plugins()) - {"grad_clip"}))
+    assert f"Installed plugins that are not enabled: {others}." in " ".join(result.stdout.split())
+    assert "[grad_clip]" in result.stdout.splitlines()

@@ -16,9 +16,6 @@ import sys
 
 from plugtrain import sample
 from plugtrain.config import enabled_plugins, merged_values, parse_command_line
-from plugtrain.data import SHARD_TOKENS
-from plugtrain.data.prepare import prepare  # a module of the same name hides it in the front door
-from plugtrain.distributed import destroy_world
 from plugtrain.host import PluginHost, installed_plugins
 from plugtrain.observability import plot_runs
 from plugtrain.training import configure, ends_quietly, run_cli
@@ -29,11 +26,13 @@ def train(argv: list[str], prog: str = "train.py") -> int:
     return its exit status; ``prog`` names the command in ``--help``."""
 
     def main() -> None:
-        from plugtrain.training import Trainer  # not for --help or a config error
-
         configured = configure(argv, prog)
         if configured is None:  # --help
             return
+        # Here, not at the top: --help and a config error need no torch (seconds to import).
+        from plugtrain.distributed import destroy_world
+        from plugtrain.training import Trainer
+
         config, host = configured
         Trainer(config, host).run()  # on an error, run_cli reports it and exits
         destroy_world()
@@ -73,13 +72,18 @@ def list_plugins(config_args: list[str]) -> int:
 
 def prepare_data(args: argparse.Namespace) -> int:
     """Run ``plugtrain prepare-data`` and say what it did, with its throughput."""
+    # numpy, tokenizers: not for --help. The function, unlike SHARD_TOKENS, cannot pass the
+    # front door: the module of the same name hides it.
+    from plugtrain.data import SHARD_TOKENS
+    from plugtrain.data.prepare import prepare
+
     result = prepare(
         args.inputs,
         args.output,
         sample.resolve(args.tokenizer),
         text_field=args.text_field,
         workers=args.workers,
-        shard_tokens=args.shard_tokens,
+        shard_tokens=SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
     )
     if not result.written:
         print(f"{result.folder} is up to date ({result.num_tokens} tokens): nothing to do")
@@ -144,7 +148,9 @@ def command(argv: list[str]) -> int:
     )
     data.add_argument("--text-field", default="text", help="JSON key / Parquet column of text")
     data.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
-    data.add_argument("--shard-tokens", type=int, default=SHARD_TOKENS, help="tokens per shard")
+    data.add_argument(
+        "--shard-tokens", type=int, help="tokens per shard (default: 2^28, 512 MiB of uint16)"
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "prepare-data":
         if rest:

@@ -43,7 +43,7 @@ class ModelConfig:
     """The model's size and the tokenizer that sets its vocabulary."""
 
     flavor: str = field(default="debug", metadata={"choices": tuple(FLAVORS)})
-    """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.transformer.FLAVORS``)."""
+    """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.args.FLAVORS``)."""
     tokenizer_path: str = "sample:tokenizer.json"
     """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's. Here and in
     the data paths, ``sample:NAME`` names a file of the Shakespeare sample shipped with plugtrain;
@@ -653,14 +653,13 @@ def _help_section(lines: list[str], section: str, cls: type) -> None:
 
 def format_help(
     plugin_sections: dict[str, type],
-    disabled_plugins: dict[str, type | str | None] | None = None,
+    disabled_plugins: typing.Sequence[str] = (),
     prog: str = "train.py",
 ) -> str:
     """Every section and field with its type, default and docstring, for the command ``prog``.
 
-    ``plugin_sections`` are the enabled plugins' sections; ``disabled_plugins`` maps each
-    installed plugin that is not enabled to its config dataclass, ``None`` for a plugin
-    without one, or a string saying why it could not be loaded.
+    ``plugin_sections`` are the enabled plugins' sections; ``disabled_plugins`` names the
+    installed plugins that are not enabled, whose sections the help only says how to see.
     """
     lines = [
         f"usage: {prog} [--config FILE] [--section.key VALUE ...]",
@@ -675,17 +674,7 @@ def format_help(
         lines.append(f"\n[{section}]")
         _help_section(lines, section, cls)
     if disabled_plugins:
-        lines.append(
-            "\nInstalled plugins that are not enabled (imported for this help only, to show\n"
-            "their sections; a run never imports a plugin it does not enable):"
-        )
-    for name, cls in (disabled_plugins or {}).items():
-        heading = f"\n[{name}] (installed, not enabled: add it to plugins.enabled)"
-        if isinstance(cls, type):
-            lines.append(heading)
-            _help_section(lines, name, cls)
-        elif cls is None:
-            lines.append(f"{heading}\n  (no config fields)")
-        else:
-            lines.append(f"{heading}\n  (cannot be loaded: {cls})")
+        names = ", ".join(disabled_plugins)
+        lines.append("\n" + textwrap.fill(f"Installed plugins that are not enabled: {names}.", 100))
+        lines.append(f"Their sections show once enabled: {prog} --plugins.enabled NAME,... --help")
     return "\n".join(lines)

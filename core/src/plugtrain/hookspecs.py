@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from plugtrain.plugin import PROJECT_NAME
+from plugtrain import PROJECT_NAME
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence

@@ -16,6 +16,7 @@ import pluggy
 import torch
 from torch import nn
 
+from plugtrain import API_VERSION, PROJECT_NAME
 from plugtrain.errors import ConfigError, PluginError, check_field
 
 if TYPE_CHECKING:
@@ -45,16 +46,6 @@ __all__ = [
     "total_norm",
     "wrap_forward",
 ]
-
-PROJECT_NAME = "plugtrain"
-
-API_VERSION = (1, 0)
-"""The version of the plugin API, ``(major, minor)``: this module and the hooks of
-:mod:`plugtrain.hookspecs`. A minor version adds (hooks, arguments, names) and may deprecate:
-a renamed hook or argument keeps working, with a ``DeprecationWarning``, for one minor version.
-A major version removes or changes something a plugin uses. Every change a plugin author must
-act on is listed in the repository's ``CHANGELOG.md``. A plugin that needs a feature checks
-``API_VERSION >= (1, 1)``."""
 
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 """Marks a plugin's hook implementation: ``@hookimpl`` or ``@hookimpl(tryfirst=True)``."""

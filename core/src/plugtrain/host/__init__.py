@@ -5,6 +5,6 @@ from plugtrain.exports import front_door
 __getattr__, __dir__, __all__ = front_door(
     __name__,
     {
-        "plugin_host": ["Implementation", "PluginHost", "config_section_of", "installed_plugins"],
+        "plugin_host": ["Implementation", "PluginHost", "installed_plugins"],
     },
 )

@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from plugtrain import hookspecs
+from plugtrain import API_VERSION, PROJECT_NAME, hookspecs
 from plugtrain.errors import PluginError, UserError, did_you_mean, one_line
-from plugtrain.plugin import API_VERSION, PROJECT_NAME
 
 if TYPE_CHECKING:
     from plugtrain.plugin import SetupContext
@@ -84,18 +83,6 @@ def clash_error(name: str, providers: Sequence[InstalledPlugin]) -> PluginError:
         f"plugin name '{name}' is provided by {both}: pip uninstall all but one of them, "
         f"or remove '{name}' from plugins.enabled"
     )
-
-
-def config_section_of(name: str) -> type | None:
-    """The config dataclass installed plugin ``name`` declares, or None if it declares none.
-
-    Imports the plugin and registers it with a host of its own, whose hooks nothing fires, so
-    that it is not enabled anywhere. For ``--help``, which is not a run: a run never imports a
-    plugin it does not enable.
-    """
-    scratch = PluginHost()
-    scratch.load_enabled([name])
-    return scratch.results("config_section").get(name)
 
 
 def _instantiate(plugin: InstalledPlugin, target: Any) -> Any:

@@ -5,7 +5,8 @@ from plugtrain.exports import front_door
 __getattr__, __dir__, __all__ = front_door(
     __name__,
     {
+        "args": ["FLAVORS", "ModelArgs"],
         "sharding": ["DTYPES", "build_model", "reshard"],
-        "transformer": ["FLAVORS", "Transformer"],
+        "transformer": ["Transformer"],
     },
 )

@@ -9,8 +9,6 @@ import sys
 import traceback
 from collections.abc import Callable
 
-import torch.distributed as dist
-
 from plugtrain.config import (
     JobConfig,
     build_config,
@@ -19,8 +17,8 @@ from plugtrain.config import (
     merged_values,
     parse_command_line,
 )
-from plugtrain.errors import PluginError, UserError
-from plugtrain.host import PluginHost, config_section_of, installed_plugins
+from plugtrain.errors import UserError
+from plugtrain.host import PluginHost, installed_plugins
 
 
 def configure(argv: list[str], prog: str = "train.py") -> tuple[JobConfig, PluginHost] | None:
@@ -36,24 +34,11 @@ def configure(argv: list[str], prog: str = "train.py") -> tuple[JobConfig, Plugi
     host.load_enabled(enabled_plugins(values))
     sections = host.results("config_section")
     if cli.help:
-        print(format_help(sections, _disabled_sections(host.names()), prog))
+        # Not the others' sections: importing a plugin means importing torch (seconds).
+        disabled = sorted(set(installed_plugins()) - set(host.names()))
+        print(format_help(sections, disabled, prog))
         return None
     return build_config(values, sections, installed_plugins()), host
-
-
-def _disabled_sections(enabled: list[str]) -> dict[str, type | str | None]:
-    """Each installed plugin that is not enabled: its config section, None, or why it failed.
-
-    Importing them is acceptable for ``--help`` only (it is not a run, and the help says so);
-    a broken or clashing plugin that the run does not enable must not break the help.
-    """
-    disabled: dict[str, type | str | None] = {}
-    for name in sorted(set(installed_plugins()) - set(enabled)):
-        try:
-            disabled[name] = config_section_of(name)
-        except PluginError as e:
-            disabled[name] = str(e)
-    return disabled
 
 
 def run_cli(main: Callable[[], int | None]) -> int:
@@ -77,7 +62,8 @@ def run_cli(main: Callable[[], int | None]) -> int:
         code, message = 1, ""
         traceback.print_exc()
     rank = int(os.environ.get("RANK", "0"))
-    in_group = dist.is_initialized() and dist.get_world_size() > 1
+    dist = sys.modules.get("torch.distributed")  # not imported: no group (and --help stays fast)
+    in_group = dist is not None and dist.is_initialized() and dist.get_world_size() > 1
     # Bad input fails every rank alike before the group is up: rank 0's copy suffices. Once it
     # is up, a failure may be one rank's own, and that rank must say so.
     if message and (rank == 0 or in_group):

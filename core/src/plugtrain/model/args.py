@@ -1,0 +1,183 @@
+"""The Llama-style model's shapes: :class:`ModelArgs`, and the named sizes in ``FLAVORS``.
+
+Apart from the model (``model.transformer``) and free of torch, so that the config, and with
+it ``--help``, needs no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape hyper-parameters of a Llama-style transformer.
+
+    Frozen so that the shared ``FLAVORS`` entries cannot be modified by accident; derive a
+    variant with ``dataclasses.replace(args, vocab_size=...)``.
+    """
+
+    dim: int
+    """Width of the residual stream (the embedding size)."""
+    n_layers: int
+    """Number of transformer blocks."""
+    n_heads: int
+    """Number of query heads; ``dim`` must be divisible by it (head_dim = dim // n_heads)."""
+    n_kv_heads: int
+    """Number of key/value heads (grouped-query attention); must divide ``n_heads``.
+    Equal to ``n_heads`` gives plain multi-head attention, 1 gives multi-query attention."""
+    vocab_size: int
+    """Rows of the embedding and of the output projection; the trainer overrides it with the
+    tokenizer's vocabulary size."""
+    multiple_of: int = 256
+    """The SwiGLU hidden size is rounded up to a multiple of this (hardware-friendly shapes)."""
+    ffn_dim_multiplier: float | None = None
+    """Optional factor applied to the SwiGLU hidden size before rounding (Llama 3 8B: 1.3)."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Base of the RoPE frequencies (Llama 3: 500000)."""
+    max_seq_len: int = 2048
+    """Longest sequence the model accepts; the RoPE table is precomputed for this length."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "vocab_size",
+            "multiple_of",
+            "max_seq_len",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelArgs.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"ModelArgs.dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                "choose n_heads that divides dim"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"ModelArgs.n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.n_kv_heads}; choose n_kv_heads that divides n_heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim = dim // n_heads = {self.head_dim} is odd, but RoPE rotates pairs "
+                "of channels; choose dim and n_heads so that head_dim is even"
+            )
+        if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
+            raise ValueError(
+                f"ModelArgs.ffn_dim_multiplier must be > 0 or None, got {self.ffn_dim_multiplier}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """Hidden size of the SwiGLU feed-forward network, by Llama's rule.
+
+        Two thirds of 4*dim (so SwiGLU's three matrices cost about what a 4*dim two-matrix MLP
+        costs), times ``ffn_dim_multiplier`` if set, rounded up to a multiple of
+        ``multiple_of``.
+        """
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Number of parameters of ``Transformer(self)``, computed from the shape alone.
+
+        ``exclude_embedding`` leaves out the token embedding table (a lookup, no matmul), which
+        is the count that FLOP estimates use. The untied output projection is always counted.
+        """
+        d, hd = self.dim, self.head_dim
+        attention = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2  # wq, wo, wk, wv
+        feed_forward = 3 * d * self.ffn_hidden_dim  # w1, w2, w3
+        per_layer = attention + feed_forward + 2 * d  # + attention_norm, ffn_norm
+        embedding = self.vocab_size * d
+        total = self.n_layers * per_layer + d + self.vocab_size * d  # + norm, output
+        return total if exclude_embedding else total + embedding
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
+
+        The usual estimate (PaLM appendix B, torchtitan): 6 FLOPs per non-embedding parameter
+        per token for the matmuls (2 forward, 4 backward), plus 12 * n_layers * n_heads *
+        head_dim * seq_len for the attention score and value matmuls. Causal masking is not
+        discounted, matching how MFU is usually reported. Elementwise ops are not counted.
+        """
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * self.num_params(exclude_embedding=True) + attention
+
+
+_LLAMA3_VOCAB = 128256
+
+FLAVORS: dict[str, ModelArgs] = {
+    # Unit tests: a forward/backward takes milliseconds.
+    "tiny": ModelArgs(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        multiple_of=16,
+        max_seq_len=64,
+    ),
+    # CPU default of `python train.py`: 3.5M parameters besides the embedding (vocab 2048).
+    # Measured on 2 idle CPU cores, fp32, batch 8 x 128 tokens: forward+backward 0.16 s a step;
+    # 100 steps with AdamW take 17 s in 1 process and 25 s in 2 FSDP2 processes (gloo), which
+    # leaves room in the one-minute budget for evaluation and logging.
+    "debug": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=2048,
+        multiple_of=64,
+        max_seq_len=512,
+    ),
+    # Llama 3.2 1B and 3B shapes (Meta's params.json), but with an untied output projection
+    # and without the RoPE frequency scaling (`use_scaled_rope`) of the released checkpoints:
+    # plugtrain trains from scratch at max_seq_len.
+    "1B": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=_LLAMA3_VOCAB,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+    "3B": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        vocab_size=_LLAMA3_VOCAB,
+        multiple_of=256,
+        ffn_dim_multiplier=1.0,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+    # Llama 3 8B.
+    "8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=_LLAMA3_VOCAB,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
+}
