@@ -134,6 +134,37 @@ def test_bad_input_is_one_line_naming_the_key(argv, message):
     assert "\n" not in str(e.value)
 
 
+def test_an_option_where_a_value_belongs_is_a_missing_value():
+    with pytest.raises(ConfigError) as e:
+        config_from(["--training.steps", "--validation.interval", "0"])
+    assert str(e.value) == (
+        "argument '--training.steps' needs a value, but '--validation.interval' follows it "
+        "(a value that starts with -- goes as --training.steps=VALUE)"
+    )
+    assert config_from(["--job.description=--x"]).job.description == "--x"
+
+
+def test_a_list_in_brackets_needs_no_quotes():
+    assert coerce("[grad_clip]", list[str], "k") == ["grad_clip"]
+    assert coerce(" [grad_clip, ema] ", list[str], "k") == ["grad_clip", "ema"]
+    assert coerce("[1, 2]", list[int], "k") == [1, 2]
+    assert config_from(["--plugins.enabled", "[]"]).plugins.enabled == []
+
+
+@pytest.mark.parametrize("text", ["[{path=a}]", "[grad_clip", "['a\", 'b']"])
+def test_a_list_that_cannot_be_read_says_how_to_write_one(text):
+    with pytest.raises(ConfigError) as e:
+        coerce(text, list[str], "plugins.enabled")
+    assert str(e.value) == (
+        f"config key 'plugins.enabled' cannot be read as a list from {text!r}: write a,b or a "
+        """TOML array such as '["a", "b"]', quoting the strings inside brackets"""
+    )
+
+
+def test_help_says_how_to_write_a_list():
+    assert 'A list is written a,b or a TOML array such as \'["a", "b"]\': ' in format_help({})
+
+
 def test_malformed_toml_names_the_file(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[training\nsteps = 3\n")

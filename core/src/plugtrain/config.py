@@ -396,7 +396,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if from_cli:
-            value = _parse_cli_list(value)
+            value = _parse_cli_list(value, key)
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
         return [coerce(v, item_tp, key) for v in value]
@@ -433,14 +433,25 @@ def _parse_number(text: str, tp: type) -> Any:
         return text  # reported by the caller as the wrong type
 
 
-def _parse_cli_list(text: str) -> Any:
+LIST_SYNTAX = 'a,b or a TOML array such as \'["a", "b"]\''
+"""How a list is written on the command line (``--help`` and errors say it)."""
+
+
+def _parse_cli_list(text: str, key: str) -> Any:
+    """A command-line list: ``a,b``, a TOML array, or ``[a, b]`` (bare words, no quotes)."""
     text = text.strip()
-    if text.startswith("["):
-        try:
-            return tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"cannot parse list {text!r}: {e}") from e
-    return [item.strip() for item in text.split(",") if item.strip()]
+    if not text.startswith("["):
+        return [item.strip() for item in text.split(",") if item.strip()]
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError as e:
+        inner = text[1:-1] if text.endswith("]") else "["  # unclosed: not bare words
+        if not any(c in inner for c in "[]{}\"'="):
+            return _parse_cli_list(inner, key)
+        raise ConfigError(
+            f"config key '{key}' cannot be read as a list from {text!r}: write {LIST_SYNTAX}, "
+            "quoting the strings inside brackets"
+        ) from e
 
 
 def build_section(cls: type, section: str, values: dict[str, Any]) -> Any:
@@ -526,6 +537,11 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         if not eq:
             if not args:
                 raise ConfigError(f"argument '--{name}' needs a value")
+            if args[0].startswith("--"):
+                raise ConfigError(
+                    f"argument '--{name}' needs a value, but '{args[0]}' follows it "
+                    f"(a value that starts with -- goes as --{name}=VALUE)"
+                )
             value = args.pop(0)
         if name == "config":
             cli.config_file = value
@@ -665,6 +681,7 @@ def format_help(
         f"usage: {prog} [--config FILE] [--section.key VALUE ...]",
         "",
         "Every field can be set in the TOML file's [section] or overridden on the command line.",
+        f"A list is written {LIST_SYNTAX}: --plugins.enabled grad_clip,ema.",
         "--config takes a TOML file, or the name of a config shipped with plugtrain: "
         + ", ".join(sorted(c.stem for c in SHIPPED_CONFIGS.glob("*.toml")))
         + ".",
