@@ -1,5 +1,5 @@
 """Tests of plugtrain prepare-data (plugtrain.data.prepare, .sources) and of reading its
-folders (plugtrain.data.store): same bytes for any worker count, every input format,
+folders (plugtrain.data.store): same bytes for any worker count, every input format, progress,
 idempotence, atomicity, and a one-line error for each bad input."""
 
 from __future__ import annotations
@@ -8,12 +8,14 @@ import errno
 import gzip
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import tqdm
 
 from plugtrain.cli import main
 from plugtrain.data import prepare as prepare_module
@@ -53,6 +55,20 @@ def _prepare(inputs: list, out: Path, **kw) -> prepare_module.PrepareResult:
 
 
 @pytest.fixture
+def bars(monkeypatch: pytest.MonkeyPatch) -> list[tqdm.tqdm]:
+    """The progress bars that prepare makes from now on."""
+    made = []
+
+    class Recorded(tqdm.tqdm):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(prepare_module.tqdm, "tqdm", Recorded)
+    return made
+
+
+@pytest.fixture
 def prepared(tmp_path: Path, corpus: Path) -> Path:
     _prepare([corpus], tmp_path / "val")
     return tmp_path / "val"
@@ -87,8 +103,8 @@ def test_same_bytes_for_one_and_two_workers(tmp_path: Path, prepared: Path, corp
     assert one["shards"] == two["shards"]
 
 
-def test_every_input_format_gives_the_same_stream(
-    tmp_path: Path, reference: torch.Tensor, corpus: Path
+def test_every_input_format_gives_the_same_stream_and_full_progress(
+    tmp_path: Path, reference: torch.Tensor, corpus: Path, bars: list[tqdm.tqdm]
 ) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -104,12 +120,70 @@ def test_every_input_format_gives_the_same_stream(
         (tmp_path / "txt" / ("sub" if i % 2 else "") / f"{i:04d}.txt").write_text(text)
     for inputs in (["v.jsonl.gz"], ["v.jsonl.zst"], ["v.parquet"], ["v.json*.gz"]):
         out = tmp_path / f"out_{inputs[0].replace('*', '_')}"
-        _prepare([tmp_path / i for i in inputs], out)
+        _prepare([tmp_path / i for i in inputs], out, progress=True)
         assert torch.equal(_stream(out), reference), inputs
-    _prepare([tmp_path / "txt"], tmp_path / "out_txt")
+        # The bar counts bytes of the files read, compressed or not: it ends at its total.
+        sizes = [p.stat().st_size for i in inputs for p in tmp_path.glob(i)]
+        assert bars[-1].n == bars[-1].total == sum(sizes), inputs
+    _prepare([tmp_path / "txt"], tmp_path / "out_txt", progress=True)
+    txt_bytes = sum(p.stat().st_size for p in (tmp_path / "txt").rglob("*.txt"))
+    assert bars[-1].n == bars[-1].total == txt_bytes
     order = sorted(range(len(texts)), key=lambda i: str(Path("sub" if i % 2 else "") / f"{i:04d}"))
     expected = tokenize_documents([texts[i] for i in order], Tokenizer.from_file(TOKENIZER))
     assert torch.equal(_stream(tmp_path / "out_txt"), expected)
+
+
+def test_gz_progress_ends_at_its_total_with_workers(
+    tmp_path: Path, corpus: Path, bars: list[tqdm.tqdm]
+) -> None:
+    gz = tmp_path / "v.jsonl.gz"
+    gz.write_bytes(gzip.compress(corpus.read_bytes()))
+    _prepare([gz, corpus], tmp_path / "out", workers=2, progress=True)
+    assert [bar.total for bar in bars] == [gz.stat().st_size + corpus.stat().st_size]
+    assert bars[0].n == bars[0].total  # 100%: not past it (uncompressed bytes), not short
+
+
+def test_a_log_gets_progress_lines(
+    tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # capsys's stderr is not a terminal, as a scheduler's log.
+    _prepare([corpus], tmp_path / "out", progress_every=0)
+    lines = capsys.readouterr().err.splitlines()
+    number = r"\d+\.\d+"
+    line = (
+        rf"prepare-data: {number}% of {number} MB read, {number} MB/s, {number}M tokens/s, "
+        r"ETA \d+:\d\d:\d\d"
+    )
+    assert len(lines) > 1 and all(re.fullmatch(line, text) for text in lines), lines
+    size = corpus.stat().st_size / 1e6
+    assert lines[-1].startswith(f"prepare-data: 100.0% of {size:.1f} MB read")
+    assert lines[-1].endswith("ETA 0:00:00")
+
+
+def test_the_first_chunk_comes_in_pieces_and_shards_close_at_chunk_ends(
+    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encoded = []
+    encode = prepare_module.encode_chunk
+
+    def recorded(texts: list[str], *args) -> tuple:
+        encoded.append(sum(len(t.encode()) for t in texts))
+        return encode(texts, *args)
+
+    monkeypatch.setattr(prepare_module, "encode_chunk", recorded)
+    chunk = 20_000
+    _prepare([corpus], tmp_path / "out", shard_tokens=1, chunk_bytes=chunk)  # a shard per chunk
+    # Progress comes after encoding a sixteenth of a chunk, then an eighth...
+    assert encoded[0] < chunk / 8 and encoded[0] < encoded[1] < encoded[2] < encoded[3]
+    chunk_ends, size = [], 0
+    lines = corpus.read_bytes().splitlines(keepends=True)
+    for n, line in enumerate(lines, start=1):
+        size += len(line)
+        if size >= chunk or n == len(lines):
+            chunk_ends.append(n)
+            size = 0
+    shards = json.loads((tmp_path / "out" / MANIFEST).read_text())["shards"]
+    assert np.cumsum([s["num_documents"] for s in shards]).tolist() == chunk_ends
 
 
 def test_up_to_date_folder_is_not_redone(

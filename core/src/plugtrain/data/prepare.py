@@ -9,6 +9,9 @@ in chunk order, so the bytes written are the same for any number of workers, and
 ``[bos] tokens [eos]`` (tests check it against :mod:`plugtrain.testing.reference`). A shard is
 closed when it holds ``shard_tokens`` tokens or more, at a chunk boundary.
 
+Progress counts the bytes of the input files read (compressed ones included), against their
+total size: a bar on a terminal, otherwise a line every ``PROGRESS_EVERY`` seconds.
+
 Everything is written to ``<out>.partial/`` and fsynced; only a complete folder is renamed to
 ``<out>``. On any error (a full disk, an interrupt) the partial folder is removed; one left by
 a killed process is replaced by the next run and never read (it has another name).
@@ -23,13 +26,14 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tqdm
@@ -43,6 +47,8 @@ CHUNK_BYTES = 1 << 20
 """Input bytes per chunk of documents a worker encodes at once."""
 SHARD_TOKENS = 1 << 28
 """Default tokens per shard (512 MiB of uint16): few files, each easily copied or checked."""
+PROGRESS_EVERY = 30.0
+"""Seconds between progress lines when stderr is not a terminal (a scheduler's log)."""
 
 
 @dataclass(frozen=True)
@@ -97,18 +103,42 @@ def is_up_to_date(out: Path, key: dict[str, Any]) -> bool:
     return manifest.get("format_version") == FORMAT_VERSION and manifest.get("inputs_key") == key
 
 
-def _chunks(files: Sequence[Path], field: str, chunk_bytes: int) -> Iterator[tuple[list[str], int]]:
+class _ChunkInfo(NamedTuple):
+    """A chunk's ``nbytes`` of text, the file bytes ``read`` for it (the progress), and whether
+    it ``ends`` a chunk of the layout (a shard may close after it) or is a piece of one."""
+
+    nbytes: int
+    read: int
+    ends: bool
+
+
+def _chunks(
+    files: Sequence[Path], field: str, chunk_bytes: int
+) -> Iterator[tuple[list[str], _ChunkInfo]]:
+    """The documents in chunks of ``chunk_bytes`` of text or more.
+
+    The first chunk comes in pieces of 1/16, 1/8, 1/4... of it, so that progress shows after
+    encoding a small piece rather than a whole chunk; the layout's chunks stay the same.
+    """
     texts: list[str] = []
-    nbytes = 0
+    nbytes = read = in_chunk = 0  # in_chunk: the layout chunk's text bytes, pieces included
+    piece = chunk_bytes // 16  # 0 once the first chunk is complete: no more pieces
     for path in files:
-        for text, size in iter_documents(path, field):
+        position = 0
+        for text, size, now_at in iter_documents(path, field):
             texts.append(text)
             nbytes += size
-            if nbytes >= chunk_bytes:
-                yield texts, nbytes
-                texts, nbytes = [], 0
-    if texts:
-        yield texts, nbytes
+            in_chunk += size
+            read += now_at - position
+            position = now_at
+            ends = in_chunk >= chunk_bytes
+            if ends or (piece and nbytes >= piece):
+                yield texts, _ChunkInfo(nbytes, read, ends)
+                texts, nbytes, read = [], 0, 0
+                in_chunk, piece = (0, 0) if ends else (in_chunk, 2 * piece)
+        read += path.stat().st_size - position  # read after the last document: a gzip trailer
+    if texts or read:
+        yield texts, _ChunkInfo(nbytes, read, True)
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -142,26 +172,29 @@ def encode_chunk(
 
 
 def _encode_in_worker(
-    texts: list[str], dtype: str, nbytes: int
-) -> tuple[np.ndarray, np.ndarray, int]:
+    texts: list[str], dtype: str, info: _ChunkInfo
+) -> tuple[np.ndarray, np.ndarray, _ChunkInfo]:
     assert _worker_tokenizer is not None
-    return (*encode_chunk(texts, _worker_tokenizer, np.dtype(dtype)), nbytes)
+    return (*encode_chunk(texts, _worker_tokenizer, np.dtype(dtype)), info)
 
 
 def _encoded(
-    chunks: Iterator[tuple[list[str], int]], tokenizer: Tokenizer, tokenizer_path: str, workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    chunks: Iterator[tuple[list[str], _ChunkInfo]],
+    tokenizer: Tokenizer,
+    tokenizer_path: str,
+    workers: int,
+) -> Iterator[tuple[np.ndarray, np.ndarray, _ChunkInfo]]:
     """Encoded chunks in input order; at most ``2 * workers`` in flight."""
     dtype = token_dtype(tokenizer.vocab_size)
     if workers == 1:
-        for texts, nbytes in chunks:
-            yield (*encode_chunk(texts, tokenizer, dtype), nbytes)
+        for texts, info in chunks:
+            yield (*encode_chunk(texts, tokenizer, dtype), info)
         return
     context = multiprocessing.get_context("forkserver")
     with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
         pending: deque = deque()
-        for texts, nbytes in chunks:
-            pending.append(pool.apply_async(_encode_in_worker, (texts, dtype.str, nbytes)))
+        for texts, info in chunks:
+            pending.append(pool.apply_async(_encode_in_worker, (texts, dtype.str, info)))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().get()
         while pending:
@@ -177,6 +210,7 @@ class _ShardWriter:
         self._bin = self._idx = None
         self._tokens = 0
         self._docs = 0
+        self._at_chunk_end = False
 
     def _open(self) -> None:
         name = f"shard_{len(self.shards):05d}"
@@ -186,8 +220,11 @@ class _ShardWriter:
         self._idx = open(self.folder / f"{name}.idx", "wb")  # noqa: SIM115
         self._tokens = self._docs = 0
 
-    def write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        if self._bin is None or self._tokens >= self.shard_tokens:
+    def write(self, tokens: np.ndarray, lengths: np.ndarray, info: _ChunkInfo) -> None:
+        """Append a chunk; the shard closes before it if full and at a layout chunk's end."""
+        if not len(lengths):
+            return  # input read past the last document: nothing to write
+        if self._bin is None or (self._tokens >= self.shard_tokens and self._at_chunk_end):
             self.close()
             self._open()
         assert self._bin is not None and self._idx is not None
@@ -195,6 +232,7 @@ class _ShardWriter:
         _write_bytes(self._idx, (np.cumsum(lengths) + self._tokens).astype(np.int64).tobytes())
         self._tokens += len(tokens)
         self._docs += len(lengths)
+        self._at_chunk_end = info.ends
 
     def close(self) -> None:
         if self._bin is None:
@@ -248,10 +286,12 @@ def prepare(
     shard_tokens: int = SHARD_TOKENS,
     chunk_bytes: int = CHUNK_BYTES,
     progress: bool | None = None,
+    progress_every: float = PROGRESS_EVERY,
 ) -> PrepareResult:
     """Prepare ``inputs`` (files, folders, globs) into the folder ``out``; see the module doc.
 
-    ``workers`` defaults to every core; ``progress`` None shows the bar only on a terminal.
+    ``workers`` defaults to every core. ``progress`` True shows a bar, False nothing, None a
+    bar on a terminal and otherwise a line every ``progress_every`` seconds (on stderr).
     An up-to-date ``out`` (same inputs by path, size and mtime, same tokenizer and layout) is
     left as it is and reported with ``written=False``.
     """
@@ -282,7 +322,9 @@ def prepare(
                 _chunks(files, text_field, chunk_bytes), tokenizer, str(tokenizer_path), workers
             )
             total_bytes = sum(f.stat().st_size for f in files)
-            manifest = _write(chunks, partial, tokenizer, layout, _bar(total_bytes, progress))
+            manifest = _write(
+                chunks, partial, tokenizer, layout, _Progress(total_bytes, progress, progress_every)
+            )
             if manifest["num_documents"] == 0:
                 raise DataError(f"inputs {list(inputs)} hold no documents: give non-empty files")
             manifest.update(
@@ -315,12 +357,52 @@ def prepare(
     return PrepareResult(out, True, manifest["num_tokens"], seconds, manifest["input_bytes"])
 
 
-def _bar(total_bytes: int, progress: bool | None) -> tqdm.tqdm:
-    """A progress bar in input bytes (MB/s); ``_write`` adds tokens/s to it."""
-    disable = None if progress is None else not progress  # None: only on a terminal
-    return tqdm.tqdm(
-        total=total_bytes, unit="B", unit_scale=True, desc="prepare-data", disable=disable
-    )
+class _Progress:
+    """Progress in bytes of the input files read: a tqdm bar, or lines for a log (see
+    :func:`prepare`'s ``progress``)."""
+
+    def __init__(self, total: int, progress: bool | None, every: float) -> None:
+        terminal = sys.stderr.isatty()
+        self.total, self.every = total, every
+        self.lines = progress is None and not terminal
+        self.bar = tqdm.tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc="prepare-data",
+            disable=not (progress or (progress is None and terminal)),
+        )
+        self.done = self.tokens = 0
+        self.start = self.last_line = time.perf_counter()
+
+    def update(self, read: int, tokens: int) -> None:
+        """Count ``read`` more bytes of input and ``tokens`` more tokens written."""
+        self.done += read
+        self.tokens += tokens
+        now = time.perf_counter()
+        seconds = max(now - self.start, 1e-9)
+        self.bar.update(read)
+        self.bar.set_postfix_str(f"{self.tokens / 1e6 / seconds:.2f}M tok/s")
+        if self.lines and now - self.last_line >= self.every:
+            self.last_line = now
+            eta = "?"
+            if self.done:
+                eta = _clock(seconds * (self.total - self.done) / self.done)
+            print(
+                f"prepare-data: {100 * self.done / max(self.total, 1):.1f}% of "
+                f"{self.total / 1e6:.1f} MB read, {self.done / 1e6 / seconds:.2f} MB/s, "
+                f"{self.tokens / 1e6 / seconds:.2f}M tokens/s, ETA {eta}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def _write(
@@ -328,21 +410,18 @@ def _write(
     folder: Path,
     tokenizer: Tokenizer,
     layout: Layout,
-    bar: tqdm.tqdm,
+    progress: _Progress,
 ) -> dict[str, Any]:
     """Write the encoded chunks into ``folder``'s shards; return the manifest's counts."""
     writer = _ShardWriter(folder, layout.shard_tokens)
     num_tokens = num_docs = input_bytes = 0
-    with bar:
-        start = time.perf_counter()
-        for tokens, lengths, nbytes in chunks:
-            writer.write(tokens, lengths)
+    with closing(progress):
+        for tokens, lengths, info in chunks:
+            writer.write(tokens, lengths, info)
             num_tokens += len(tokens)
             num_docs += len(lengths)
-            input_bytes += nbytes
-            bar.update(nbytes)
-            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s")
+            input_bytes += info.nbytes
+            progress.update(info.read, len(tokens))
         writer.close()
     return {
         "format_version": FORMAT_VERSION,

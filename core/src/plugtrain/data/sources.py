@@ -2,8 +2,10 @@
 
 Formats: JSONL (plain, gzip or zstd), Parquet, plain text (one document per file).
 
-Every reader yields ``(text, nbytes)`` pairs, ``nbytes`` being the input bytes consumed
-(for the progress bar's MB/s), and holds at most one line, record batch or file in memory.
+Every reader yields ``(text, nbytes, position)``: ``nbytes`` is the document's size in the
+input's uncompressed text (how ``prepare-data`` cuts chunks), ``position`` how many bytes of the
+file on disk have been read so far (what its progress counts, compressed or not). A reader holds
+at most one line, record batch or file in memory.
 """
 
 from __future__ import annotations
@@ -73,19 +75,22 @@ def check_extras(files: Sequence[Path]) -> None:
         require_extra("zstandard", "zstd", "reading zstd-compressed input")
 
 
-def _open_binary(path: Path, kind: str) -> IO[bytes]:
+def _decompressed(raw: IO[bytes], kind: str) -> IO[bytes]:
+    """A reader of ``raw``'s content (``raw`` itself when not compressed) that leaves it open."""
     if kind.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.GzipFile(fileobj=raw, mode="rb")
     if kind.endswith(".zst"):
         import zstandard
 
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
-    return open(path, "rb")
+        return zstandard.ZstdDecompressor().stream_reader(raw, closefd=False)
+    return raw
 
 
-def _jsonl(path: Path, kind: str, field: str, label: str) -> Iterator[tuple[str, int]]:
-    with _open_binary(path, kind) as raw:
-        for lineno, line in enumerate(io.BufferedReader(raw), start=1):  # type: ignore[arg-type]
+def _jsonl(path: Path, kind: str, field: str, label: str) -> Iterator[tuple[str, int, int]]:
+    # Unbuffered: tell() is how much of the file was read. Closed by the with.
+    raw = open(path, "rb", buffering=0)  # noqa: SIM115
+    with raw, _decompressed(raw, kind) as stream:
+        for lineno, line in enumerate(io.BufferedReader(stream), start=1):  # type: ignore[arg-type]
             if not line.strip():
                 continue
             try:
@@ -97,10 +102,10 @@ def _jsonl(path: Path, kind: str, field: str, label: str) -> Iterator[tuple[str,
                     f"{label} '{path}' line {lineno} is not a JSON object with a string field "
                     f"{field!r}: fix that line or set data.text_field (prepare-data: --text-field)"
                 )
-            yield record[field], len(line)
+            yield record[field], len(line), raw.tell()
 
 
-def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
+def _parquet(path: Path, field: str) -> Iterator[tuple[str, int, int]]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
@@ -111,16 +116,18 @@ def _parquet(path: Path, field: str) -> Iterator[tuple[str, int]]:
         )
     size = path.stat().st_size
     rows = max(1, parquet.metadata.num_rows)
+    row = 0
     for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
-        texts = batch.column(0).to_pylist()
-        for text in texts:  # compressed bytes are not per row: spread the file's size evenly
-            yield text or "", size // rows
+        for text in batch.column(0).to_pylist():
+            row += 1  # compressed bytes are not per row: spread the file's size evenly
+            yield text or "", size // rows, size * row // rows
 
 
 def iter_documents(
     path: Path, field: str = "text", *, label: str = "input"
-) -> Iterator[tuple[str, int]]:
-    """``(text, input bytes)`` of every document of ``path``; a .txt file is one document.
+) -> Iterator[tuple[str, int, int]]:
+    """``(text, text bytes, file bytes read)`` of every document of ``path`` (see the module
+    doc); a .txt file is one document.
 
     Errors name the file as ``{label} '{path}'``."""
     kind = _kind(path)
@@ -128,7 +135,7 @@ def iter_documents(
         yield from _parquet(path, field)
     elif kind == ".txt":
         data = path.read_bytes()
-        yield data.decode("utf-8", errors="replace"), len(data)
+        yield data.decode("utf-8", errors="replace"), len(data), len(data)
     elif kind is not None:
         yield from _jsonl(path, kind, field, label)
     else:

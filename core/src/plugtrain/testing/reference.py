@@ -35,7 +35,7 @@ def load_jsonl_texts(
         raise MissingFileError(
             f"{where} not found: set {key} to a JSONL file with one {{{field!r}: ...}} per line"
         )
-    texts = [text for text, _ in iter_documents(path, field, label="data file")]
+    texts = [text for text, _, _ in iter_documents(path, field, label="data file")]
     if not texts:
         raise DataError(f"{where} holds no documents: set {key} to a non-empty JSONL file")
     return texts
