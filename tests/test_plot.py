@@ -9,7 +9,7 @@ import pytest
 
 from plugtrain import cli
 from plugtrain.errors import DataError, MissingFileError, UserError
-from plugtrain.observability.plot import plot_runs, read_run
+from plugtrain.observability.plot import draw_runs, plot_runs, read_run
 from plugtrain.testing import SAMPLE, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
@@ -64,6 +64,40 @@ def test_panels_without_data_are_left_out(tmp_path):
     write_records(tmp_path / "a", [{"step": s, "loss": 5.0 / s} for s in range(1, 5)])
     out = plot_runs([tmp_path / "a"], tmp_path / "loss.png")
     assert image_shape(out) == (400, 640, 4)  # the loss panel alone
+
+
+def test_three_panels_fill_one_row_and_a_narrow_log_range_reads_plainly(tmp_path):
+    # No loss_scale; a grad_norm between 0.66 and 1.05 (less than a decade) in one run.
+    records = [{"step": s, "loss": 8 - 0.1 * s, "grad_clip/grad_norm": 0.66 + 0.02 * s,
+                "tokens_per_sec": 5000.0 + s} for s in range(1, 21)]  # fmt: skip
+    write_records(tmp_path / "narrow", records)
+    fig = draw_runs([tmp_path / "narrow"])
+    fig.draw_without_rendering()  # lays the tick labels out
+    assert [ax.get_title() for ax in fig.axes] == [
+        "loss", "grad_norm", "throughput (tokens/s, all ranks)"
+    ]  # fmt: skip
+    assert all(ax.get_visible() and ax.has_data() for ax in fig.axes)  # no blank cell
+    grad_norm = fig.axes[1]
+    labels = [t.get_text() for t in grad_norm.get_yticklabels()]
+    assert grad_norm.get_yscale() == "linear" and "0.70" in labels and "1.00" in labels, labels
+    # Over a decade (2 down to 0.1), grad_norm keeps its log scale.
+    synthetic_run(tmp_path / "wide")
+    assert draw_runs([tmp_path / "wide"]).axes[1].get_yscale() == "log"
+
+
+def test_plot_writes_into_the_first_run_by_default(tmp_path, capsys, monkeypatch):
+    synthetic_run(tmp_path / "a")
+    synthetic_run(tmp_path / "b")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert cli.main(["plot", str(tmp_path / "a"), str(tmp_path / "b" / "metrics.jsonl")]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'a' / 'metrics.png'}"
+    assert image_shape(tmp_path / "a" / "metrics.png") == (800, 1280, 4)
+    assert (
+        not list((tmp_path / "elsewhere").iterdir())
+        and not (tmp_path / "b" / "metrics.png").exists()
+    )
+    assert plot_runs([tmp_path / "b" / "metrics.jsonl"]) == tmp_path / "b" / "metrics.png"
 
 
 def test_last_record_of_a_step_wins(tmp_path):

@@ -129,7 +129,11 @@ def command(argv: list[str]) -> int:
         description="Reads each run's metrics.jsonl; needs matplotlib (plugtrain[plot]).",
     )
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's dump folder")
-    plot.add_argument("-o", "--output", default="metrics.png", help="image file (.png, .svg, .pdf)")
+    plot.add_argument(
+        "-o",
+        "--output",
+        help="image file (.png, .svg, .pdf); default: metrics.png in the first run's folder",
+    )
     data = sub.add_parser(
         "prepare-data",
         help="tokenize documents into a prepared folder that training reads by memory map",

@@ -2,7 +2,9 @@
 
 One panel per quantity, against the optimizer step, one color per run: loss (training solid,
 validation dashed), grad_norm and loss_scale (any plugin's metric of that name), and throughput
-(tokens per second over all ranks). A panel no run has data for is left out.
+(tokens per second over all ranks). A panel no run has data for is left out, and the others
+fill the grid (up to three in a row). A log-scale panel whose values span less than a decade
+is drawn on a linear scale, which labels its ticks plainly.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plugtrain.errors import DataError, MissingFileError, UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # (title, y-axis scale, lines): each line is (record key, or "/<name>" for every plugin's
 # "<plugin>/<name>"; matplotlib line style; legend suffix).
@@ -58,14 +64,30 @@ def _matching(series: dict[str, dict[int, float]], key: str) -> list[str]:
     return [key] if key in series else []
 
 
+def _run_folder(path: str | Path) -> Path:
+    """The run folder of a path given to ``plot``: the folder, or its metrics file's folder."""
+    path = Path(path)
+    return path if path.is_dir() else path.parent
+
+
 def _labels(paths: Sequence[str | Path]) -> list[str]:
     """Short run names: the run folders' names, or the paths as given when two names clash."""
-    names = [(p if p.is_dir() else p.parent).resolve().name for p in map(Path, paths)]
+    names = [_run_folder(p).resolve().name for p in paths]
     return names if len(set(names)) == len(names) else [str(p) for p in paths]
 
 
-def plot_runs(runs: Sequence[str | Path], output: str | Path) -> Path:
-    """Draw the runs' metrics into the image ``output`` (format from its suffix, e.g. .png)."""
+def plot_runs(runs: Sequence[str | Path], output: str | Path | None = None) -> Path:
+    """Draw the runs' metrics into the image ``output`` (format from its suffix, e.g. .png;
+    default: ``metrics.png`` in the first run's folder) and return its path."""
+    fig = draw_runs(runs)
+    output = _run_folder(runs[0]) / "metrics.png" if output is None else Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    return output
+
+
+def draw_runs(runs: Sequence[str | Path]) -> Figure:
+    """The figure of the runs' metrics: one panel per quantity that some run has."""
     if importlib.util.find_spec("matplotlib") is None:
         raise UserError(
             "plugtrain plot needs the 'matplotlib' package, which is not installed: "
@@ -82,10 +104,11 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path) -> Path:
     ]
     if not panels:
         raise DataError("none of the runs has loss, grad_norm, loss_scale or throughput to plot")
-    rows, cols = math.ceil(len(panels) / 2), min(len(panels), 2)
+    cols = len(panels) if len(panels) <= 3 else 2  # every cell of the grid holds a panel
+    rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(6.4 * cols, 4.0 * rows))
     axes = list(fig.subplots(rows, cols, squeeze=False).flat)
-    for ax, (title, scale, lines) in zip(axes, panels, strict=False):
+    for ax, (title, scale, lines) in zip(axes, panels, strict=True):
         for i, (label, series) in enumerate(zip(_labels(runs), data, strict=True)):
             for key, style, suffix in lines:
                 names = _matching(series, key)
@@ -100,13 +123,11 @@ def plot_runs(runs: Sequence[str | Path], output: str | Path) -> Path:
                         marker="o" if len(steps) == 1 else None,
                         label=label + suffix + plugin,
                     )
+        values = [y for line in ax.get_lines() for y in line.get_ydata() if math.isfinite(y)]
+        if scale == "log" and values and min(values) > 0 and max(values) < 10 * min(values):
+            scale = "linear"  # under a decade a log axis labels only minor ticks, as 9x10^-1
         ax.set(title=title, xlabel="step", yscale=scale)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    for ax in axes[len(panels) :]:
-        ax.set_visible(False)
     fig.tight_layout()
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    return output
+    return fig
