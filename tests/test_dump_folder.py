@@ -142,3 +142,18 @@ def test_the_lock_is_shared_in_a_process_and_released_by_close_and_failures(tmp_
     bad = [*tiny_args(tmp_path), "--data.train_path", str(tmp_path / "missing.jsonl")]
     assert run_cli(lambda: Trainer(*configure(bad))) == 2
     assert not locked_elsewhere(tmp_path)
+
+
+def test_a_failed_start_removes_only_the_empty_folders_it_created(tmp_path):
+    missing = ["--data.train_path", str(tmp_path / "missing.jsonl")]
+    new = tmp_path / "outputs" / "run"
+    assert run_cli(lambda: Trainer(*configure([*tiny_args(new), *missing]))) == 2
+    assert not (tmp_path / "outputs").exists() and tmp_path.is_dir()
+    # A folder that was there stays, even empty; so does one that holds anything else.
+    (tmp_path / "empty").mkdir()
+    assert run_cli(lambda: Trainer(*configure([*tiny_args(tmp_path / "empty"), *missing]))) == 2
+    assert (tmp_path / "empty").is_dir()
+    lock = claim_dump_folder(new)
+    (new / "metrics.jsonl").write_text("")
+    lock.release(failed_start=True)
+    assert (new / "metrics.jsonl").is_file()

@@ -10,6 +10,9 @@ the holder's pid, host and start time, for the second run's message.
 The kernel drops a ``flock`` when the last descriptor of its open file is closed, which a dying
 process does whatever kills it; so a lock file left by a killed run is stale by construction
 and the next run simply locks it again. There is no pid to check and nothing to clean up.
+
+A run that fails to start removes the folders it created for the dump folder if it wrote
+nothing into them but the lock file, so that a failed start leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ _FIX = "set job.dump_folder to a folder you can write to"
 class _Held:
     fd: int
     claims: int
+    created: Path | None
+    """The outermost folder the first claim created (None: the dump folder existed)."""
 
 
 # Folders this process holds, by resolved path. A second open file of the same lock file
@@ -53,8 +58,12 @@ class DumpFolderLock:
     def __init__(self, key: Path | None) -> None:
         self._key = key
 
-    def release(self) -> None:
-        """Give the claim up; the folder is unlocked when the process's last claim goes."""
+    def release(self, *, failed_start: bool = False) -> None:
+        """Give the claim up; the folder is unlocked when the process's last claim goes.
+
+        With ``failed_start``, the last claim also removes the folders it created if they hold
+        nothing but the lock file: a run that could not start leaves no empty dump folder.
+        """
         key, self._key = self._key, None
         if key is None:
             return
@@ -62,6 +71,8 @@ class DumpFolderLock:
         held.claims -= 1
         if not held.claims:
             del _HELD[key]
+            if failed_start and held.created is not None:
+                _remove_if_empty(key, held.created)
             os.close(held.fd)  # closing the only descriptor of the lock file drops the flock
 
 
@@ -89,7 +100,7 @@ def lock_dump_folder(path: str | os.PathLike[str], world: World) -> DumpFolderLo
 def claim_dump_folder(path: str | os.PathLike[str]) -> DumpFolderLock:
     """Rank 0's part of :func:`lock_dump_folder`: check, create and lock ``path``."""
     folder = Path(path)
-    _create(folder)
+    created = _create(folder)
     key = folder.resolve()
     if key in _HELD:
         _HELD[key].claims += 1
@@ -124,11 +135,13 @@ def claim_dump_folder(path: str | os.PathLike[str]) -> DumpFolderLock:
         raise DumpFolderError(
             f"cannot write to job.dump_folder {folder}: {_cause(e)}: {_FIX}"
         ) from None
-    _HELD[key] = _Held(fd, 1)
+    _HELD[key] = _Held(fd, 1, created and created.resolve())
     return DumpFolderLock(key)
 
 
-def _create(folder: Path) -> None:
+def _create(folder: Path) -> Path | None:
+    """Create ``folder`` and its missing parents; return the outermost one it created."""
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
     if folder.exists() and not folder.is_dir():
         raise DumpFolderError(
             f"job.dump_folder {folder} is a file, not a folder: set job.dump_folder to a folder "
@@ -143,6 +156,21 @@ def _create(folder: Path) -> None:
             if blocker is not None and not blocker.is_dir():
                 cause = f"{blocker} is a file"
         raise DumpFolderError(f"cannot create job.dump_folder {folder}: {cause}: {_FIX}") from None
+    return missing[-1] if missing else None
+
+
+def _remove_if_empty(folder: Path, created: Path) -> None:
+    """Remove the lock file and ``folder``, then its parents up to ``created``, while empty."""
+    if [p.name for p in folder.iterdir()] != [LOCK_FILE]:
+        return
+    (folder / LOCK_FILE).unlink()
+    for path in (folder, *folder.parents):
+        if not path.is_relative_to(created):
+            return  # it existed before the run
+        try:
+            path.rmdir()
+        except OSError:
+            return  # not empty: something else was written into it meanwhile
 
 
 def _check_writable(folder: Path) -> None:

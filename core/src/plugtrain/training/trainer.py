@@ -86,7 +86,7 @@ class Trainer:
         try:
             self._build()
         except BaseException:
-            self.dump_folder_lock.release()
+            self.dump_folder_lock.release(failed_start=True)
             raise
 
     def _build(self) -> None:
