@@ -157,3 +157,25 @@ def test_a_failed_start_removes_only_the_empty_folders_it_created(tmp_path):
     (new / "metrics.jsonl").write_text("")
     lock.release(failed_start=True)
     assert (new / "metrics.jsonl").is_file()
+
+
+def test_rerunning_a_finished_run_says_so_and_writes_nothing(tmp_path, capsys):
+    args = tiny_args(tmp_path, "--checkpoint.enable", "true", steps=2)
+    Trainer(*configure(args)).run()
+
+    def files() -> dict[Path, tuple[bytes, int]]:
+        found = (p for p in tmp_path.rglob("*") if p.name != LOCK_FILE)
+        return {p: (p.is_file() and p.read_bytes(), p.stat().st_mtime_ns) for p in found}
+
+    before = files()
+    capsys.readouterr()
+    assert run_cli(lambda: Trainer(*configure(args)).run()) == 0
+    assert files() == before
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            f"INFO the run in {tmp_path} is already complete at step 2: nothing to do (to train "
+            "further, raise training.steps)"
+        )
+    )

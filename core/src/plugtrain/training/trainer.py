@@ -171,6 +171,8 @@ class Trainer:
             self.control, self.batches, self.checkpointer, config.job.dump_folder, self.world
         )
         self.requests.resume()
+        if self.step >= train_cfg.steps:
+            return  # a finished run: train() says so, and nothing is written
         # After the load, so that a refused resume leaves the run's records untouched.
         self.metrics.start(self.step)
         if self.world.is_main:
@@ -344,6 +346,14 @@ class Trainer:
     def train(self) -> None:
         """Train until ``training.steps``, logging and validating on schedule."""
         cfg = self.config
+        if self.step >= cfg.training.steps:
+            logger.info(
+                "the run in %s is already complete at step %d: nothing to do (to train further, "
+                "raise training.steps)",
+                cfg.job.dump_folder,
+                self.step,
+            )
+            return
         logger.info(
             "training %s (%.1fM parameters) for %d steps on %d %s process(es), %s compute",
             cfg.model.flavor,
