@@ -10,6 +10,7 @@ import importlib.util
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from plugtrain.errors import DataError, MissingFileError, UserError
 from plugtrain.testing import SAMPLE, InMemoryStream, load_jsonl_texts, tokenize_documents
 
 TOKENIZER = SAMPLE / "tokenizer.json"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +326,13 @@ def test_cli_reports_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "x.jsonl' not found" in err
     assert not out.exists()
+
+
+def test_the_readmes_prepared_folders_are_ignored_by_git() -> None:
+    outputs = re.findall(r"plugtrain prepare-data .* -o (\S+)", (REPO / "README.md").read_text())
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert outputs
+    for out in outputs:
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"{out}/shard_00000.bin"], cwd=REPO)
+        assert ignored.returncode == 0, f"{out} (README.md's prepare-data output) is not ignored"
