@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 
+from plugtrain.checkpoint.rng import rng_state, seed_generators
 from plugtrain.config import LRSchedulerConfig
-from plugtrain.testing import read_metrics, tiny_args
+from plugtrain.plugin import hookimpl
+from plugtrain.testing import make_trainer, read_metrics, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import lr_factor
 from plugtrain.training.trainer import Trainer
@@ -42,6 +46,66 @@ def test_validation_loss_is_logged_on_schedule(tmp_path):
     val = [r for r in records if "validation_loss" in r]
     assert [r["step"] for r in val] == [2, 4]
     assert all(math.isfinite(r["validation_loss"]) and r["validation_loss"] > 0 for r in val)
+
+
+class Draws:
+    """Draws from Python's, NumPy's and torch's global generators in setup and each step."""
+
+    def __init__(self) -> None:
+        self.draws: list[tuple[float, float, float]] = []
+
+    def _draw(self) -> None:
+        self.draws.append((random.random(), float(np.random.rand()), torch.rand(()).item()))
+
+    @hookimpl
+    def setup(self) -> None:
+        self._draw()
+
+    @hookimpl
+    def post_step(self) -> None:
+        self._draw()
+
+
+def generators() -> list:
+    """This process's generator states, comparable with ``==``."""
+    state = rng_state(torch.device("cpu"))
+    return [
+        state["torch"].tolist(),
+        state["python"]["words"].tolist(),
+        state["numpy"]["keys"].tolist(),
+        state["numpy"]["pos"],
+    ]
+
+
+def run_drawing(folder, *args: str) -> tuple[list, list]:
+    """A fresh 3-step run with :class:`Draws`; its draws and the generators' final states."""
+    draws = Draws()
+    trainer = make_trainer(folder, *args, plugins=[("draws", draws)])
+    trainer.train()
+    trainer.close()
+    return draws.draws, generators()
+
+
+def test_the_seed_seeds_the_global_generators_of_fresh_runs(tmp_path):
+    first = run_drawing(tmp_path / "a")
+    # Whatever the process drew before, a fresh run with the same seed draws the same.
+    random.random(), np.random.rand(), torch.rand(5)
+    assert run_drawing(tmp_path / "b") == first
+    other = run_drawing(tmp_path / "c", "--training.seed", "1")
+    assert all(a != b for a, b in zip(other[0], first[0], strict=True))
+
+
+def test_each_rank_and_seed_gets_its_own_stream():
+    states = {}
+    for seed, rank in [(0, 0), (0, 1), (1, 0), (0, 0)]:
+        seed_generators(seed, rank)
+        draws = random.random(), float(np.random.rand()), torch.rand(()).item()
+        states.setdefault((seed, rank), []).append((draws, generators()))
+    assert states[0, 0][0] == states[0, 0][1]  # deterministic
+    for a, b in [((0, 0), (0, 1)), ((0, 0), (1, 0)), ((0, 1), (1, 0))]:
+        (draws_a, gen_a), (draws_b, gen_b) = states[a][0], states[b][0]
+        assert all(x != y for x, y in zip(draws_a, draws_b, strict=True)), (a, b)
+        assert all(x != y for x, y in zip(gen_a[:3], gen_b[:3], strict=True)), (a, b)
 
 
 @pytest.mark.parametrize(

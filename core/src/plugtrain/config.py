@@ -70,7 +70,8 @@ class TrainingConfig:
     grad_accum_steps: int = 1
     """Microbatches accumulated per optimizer step on each rank."""
     seed: int = 0
-    """Seeds weight init, data order and dropout-free randomness: same seed, same losses."""
+    """Seeds weight init, data order, and Python's, NumPy's and torch's global generators
+    (per rank, hashed from the seed and the rank): same seed, same losses."""
     mixed_precision_param: Dtype = "float32"
     """FSDP2 MixedPrecisionPolicy param_dtype: the dtype of forward and backward compute."""
     mixed_precision_reduce: Dtype = "float32"

@@ -6,5 +6,6 @@ __getattr__, __dir__, __all__ = front_door(
     __name__,
     {
         "manager": ["CheckpointManager"],
+        "rng": ["seed_generators"],
     },
 )

@@ -1,4 +1,7 @@
-"""Random generator states (torch CPU and CUDA, Python, NumPy) as tensors, for checkpoints."""
+"""Global random generators (torch CPU and CUDA, Python, NumPy): seeding, and states as tensors.
+
+Each rank seeds them at start-up; checkpoints save and restore their states.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,22 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+def seed_generators(seed: int, rank: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator and torch's (CPU and every CUDA device)
+    for ``rank`` of a run whose ``training.seed`` is ``seed``.
+
+    Each rank gets its own stream, hashed from the pair ``(seed, rank)`` by NumPy's
+    ``SeedSequence``: unlike ``seed + rank``, seed 1 on rank 0 and seed 0 on rank 1 do not share
+    one, and nearby seeds give unrelated streams. The three generators get different words of
+    the hash. A resumed run then replaces these states with the checkpoint's, so that it
+    continues exactly; weight init and the data order use generators of their own.
+    """
+    words = np.random.SeedSequence([seed, rank]).generate_state(3, dtype=np.uint64)
+    random.seed(int(words[0]))
+    np.random.seed(int(words[1] >> np.uint64(32)))  # the legacy global generator takes 32 bits
+    torch.manual_seed(int(words[2] >> np.uint64(1)))  # torch takes an int64: keep 63 bits
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

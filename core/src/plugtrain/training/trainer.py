@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plugtrain import sample
-from plugtrain.checkpoint import CheckpointManager
+from plugtrain.checkpoint import CheckpointManager, seed_generators
 from plugtrain.config import JobConfig
 from plugtrain.data import (
     DevicePrefetcher,
@@ -92,6 +92,9 @@ class Trainer:
     def _build(self) -> None:
         """Everything else of the run; ``__init__`` unlocks the dump folder if this fails."""
         config, host, train_cfg = self.config, self.host, self.config.training
+        # Before any hook: a plugin drawing random numbers is reproducible (a resume restores
+        # the checkpoint's states instead).
+        seed_generators(train_cfg.seed, self.world.rank)
         self.device = self.world.device
         self.param_dtype = DTYPES[train_cfg.mixed_precision_param]
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
