@@ -3,6 +3,8 @@ resuming, and validation on the averaged weights against the exported ones."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from plugtrain_ema import Ema, load_exported
@@ -22,7 +24,7 @@ from plugtrain.testing import (
 
 NAME = "ema"
 ENABLED = ("--plugins.enabled", NAME)
-SCHEDULE = ("--ema.decay", "0.7", "--ema.start_step", "1", "--ema.every_n_steps", "2")
+SCHEDULE = ("--ema.decay", "0.2", "--ema.start_step", "1", "--ema.every_n_steps", "2")
 VALIDATION = ("--validation.interval", "3", "--validation.steps", "1",
               "--data.validation_path", str(SAMPLE / "validation.jsonl"))  # fmt: skip
 
@@ -54,14 +56,52 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def test_the_decay_warms_up_per_update_after_start_step():
+    def weights(*args: str) -> list[float | None]:
+        plugin = Ema()
+        plugin.setup(setup_context({NAME: plugin}, *ENABLED, "--ema.decay", "0.2", *args))
+        return [plugin.config.update_weight(step) for step in range(1, 9)]
+
+    every_2 = ("--ema.start_step", "1", "--ema.every_n_steps", "2")
+    # Updates at steps 2, 4, 6, 8 are the t = 0, 1, 2, 3-th: decay min(0.2, (1 + t) / (10 + t)).
+    assert weights(*every_2) == [1.0, 1 - 1 / 10, None, 1 - 2 / 11, None, 0.8, None, 0.8]
+    assert weights(*every_2, "--ema.warmup", "false") == [1.0, 0.8, None, 0.8, None, 0.8, None, 0.8]
+
+
+def test_a_run_too_short_to_average_is_one_warning_at_start(monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("plugtrain"), "propagate", True)
+
+    def warnings(steps: int, *args: str) -> list[str]:
+        caplog.clear()
+        plugin = Ema()
+        plugin.setup(setup_context({NAME: plugin}, *ENABLED, "--training.steps", str(steps), *args))
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert warnings(40, "--ema.start_step", "40") == [
+        "ema: no update step within training.steps = 40 (start_step 40, every_n_steps 1): the "
+        "average stays a copy of the weights"
+    ]
+    assert warnings(41, "--ema.start_step", "40") == []
+    assert warnings(40, "--ema.start_step", "30", "--ema.every_n_steps", "25") != []  # at 50
+    no_warmup = ("--ema.decay", "0.99", "--ema.warmup", "false")
+    assert warnings(40, *no_warmup) == [
+        "ema: decay 0.99 averages over ~100 updates but the run has 40: the average stays close "
+        "to the initial weights; set warmup = true or a lower decay"
+    ]
+    assert warnings(100, *no_warmup) == []
+    assert warnings(40) == []  # the default decay, warmed up
+
+
 class ReferenceEma:
     """The reference: the average computed on the unsharded parameters (gathered here) with
-    the host-side schedule, skipping vetoed steps by reading the flag."""
+    the host-side schedule and decay warmup, skipping vetoed steps by reading the flag."""
 
     def __init__(self, decay: float, start_step: int, every: int) -> None:
         self.decay, self.start_step, self.every = decay, start_step, every
         self.average: dict[str, torch.Tensor] = {}
         self.params: dict = {}
+        self.updates = 0
+        """Update steps so far, vetoed ones included (the warmup's ``t``)."""
 
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
@@ -70,22 +110,27 @@ class ReferenceEma:
 
     @hookimpl
     def post_step(self, ctx: StepContext) -> None:
-        if bool(ctx.skipped) or (ctx.step > self.start_step and ctx.step % self.every):
+        if ctx.step > self.start_step and ctx.step % self.every:
             return
-        share = 1.0 if ctx.step <= self.start_step else 1 - self.decay
+        share = 1.0
+        if ctx.step > self.start_step:
+            share = 1 - min(self.decay, (1 + self.updates) / (10 + self.updates))
+            self.updates += 1
+        if bool(ctx.skipped):
+            return
         for name, p in self.params.items():
             self.average[name] = torch.lerp(self.average[name], full(p.detach()), share)
 
 
 def averages_against_the_reference(folder: str) -> dict:
-    """Run on each rank (or in-process): 6 steps, step 4 vetoed; the plugin's averages
-    gathered, and the reference's."""
+    """Run on each rank (or in-process): 8 steps, step 4 vetoed; the plugin's averages
+    gathered, and the reference's (the decay 0.2 is reached at the fourth update, step 8)."""
     torch.set_num_threads(1)
-    ema, reference = Ema(), ReferenceEma(0.7, 1, 2)
+    ema, reference = Ema(), ReferenceEma(0.2, 1, 2)
     trainer = make_trainer(
         folder, "--plugins.enabled", "ema,hook_recorder", *SCHEDULE,
         "--hook_recorder.veto_steps", "[4]",
-        steps=6, plugins=[(NAME, ema), ("reference", reference)],
+        steps=8, plugins=[(NAME, ema), ("reference", reference)],
     )  # fmt: skip
     trainer.run()
     # Shaped like the parameters: DTensors with their placements where the model is sharded

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from plugtrain_spike_guard import SpikeGuard
 
@@ -9,6 +11,7 @@ from plugtrain.plugin import ConfigError, PluginError, RunControl, SkipRange
 from plugtrain.testing import assert_costs, count_costs, setup_context
 
 ENABLE = ("--plugins.enabled", "spike_guard")
+NO_REWIND = ("--spike_guard.max_consecutive", "0")
 
 
 @pytest.mark.parametrize(
@@ -39,6 +42,26 @@ def test_rewinding_without_checkpoints_is_a_one_line_error():
     assert "\n" not in str(e.value)
     ctx = setup_context({"spike_guard": guard}, *ENABLE, "--spike_guard.max_consecutive", "0")
     guard.setup(ctx)  # skipping alone needs no checkpoint
+
+
+def test_a_run_within_the_warmup_is_one_warning_at_start(monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("plugtrain"), "propagate", True)
+
+    def warnings(steps: int, warmup: int) -> list[str]:
+        caplog.clear()
+        guard = SpikeGuard()
+        args = ("--training.steps", str(steps), "--spike_guard.warmup_steps", str(warmup))
+        guard.setup(setup_context({"spike_guard": guard}, *ENABLE, *NO_REWIND, *args))
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    assert warnings(40, 100) == [
+        "spike_guard: no step is tested for spikes within training.steps = 40 (the tests start "
+        "after 100 accepted steps; non-finite values are still skipped): lower "
+        "spike_guard.warmup_steps"
+    ]
+    assert warnings(40, 40) != []
+    assert warnings(2, 0) != []  # the window needs 2 values
+    assert warnings(41, 40) == warnings(3, 0) == []
 
 
 def test_no_host_sync_per_step_with_grad_clip_and_the_fp16_scaler(tmp_path):

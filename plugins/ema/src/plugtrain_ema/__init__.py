@@ -3,7 +3,16 @@
 Each rank keeps an fp32 average of its own parameter shards: DTensors with the parameters'
 placements, updated in ``post_step`` from the local shards, with no collective and no host read.
 A skipped step (any plugin's device veto) leaves the average unchanged: the update's weight is
-``where(skipped, 0, 1 - decay)``, computed on the device. The average is saved in every
+``where(skipped, 0, 1 - decay_t)``, computed on the device.
+
+The decay warms up as in TensorFlow's ``ExponentialMovingAverage(num_updates=...)`` and timm:
+the ``t``-th update (from 0) decays by ``decay_t = min(decay, (1 + t) / (10 + t))``, so the
+average forgets the initial weights within tens of updates instead of ~``1 / (1 - decay)``
+(a 0.999 average of 40 steps would still be 96% the initial weights). Adam's bias correction
+does not apply: it rescales an average started from zero, and this one starts as a copy of the
+weights. ``t`` counts the update steps after ``start_step``, vetoed ones included: a function of
+the step number, known on the host, so the update reads nothing from the device and a resumed
+run continues it exactly. The average is saved in every
 checkpoint through the ``state_dict`` hook (DCP reshards it to another world size), validated
 on (swapped into the model's shards for an extra pass, logged as ``<name>/validation_loss``) and
 exported as a model-only checkpoint, ``step-<N>/<name>/``, beside each training checkpoint.
@@ -48,6 +57,9 @@ class EmaConfig:
     half_life: float | None = None
     """Instead of ``decay``: training steps after which a weight's share of the average has
     halved; each update then decays by ``0.5 ** (every_n_steps / half_life)``."""
+    warmup: bool = True
+    """Warm the decay up: the ``t``-th update (from 0) uses ``min(decay, (1 + t) / (10 + t))``,
+    so that an early average is not mostly the initial weights; false: ``decay`` throughout."""
     start_step: int = 0
     """Up to this step the average is a copy of the weights; averaging starts after it."""
     every_n_steps: int = 1
@@ -84,14 +96,39 @@ class EmaConfig:
             return 0.5 ** (self.every_n_steps / self.half_life)
         return DEFAULT_DECAY if self.decay is None else self.decay
 
+    def updates(self, steps: int) -> int:
+        """The update steps after ``start_step`` up to step ``steps``."""
+        return max(0, steps // self.every_n_steps - self.start_step // self.every_n_steps)
+
     def update_weight(self, step: int) -> float | None:
         """The share of the weights in the average after ``step``: 1 (a copy) up to
-        ``start_step``, then ``1 - decay`` on update steps; None when ``step`` updates nothing."""
+        ``start_step``, then ``1 - decay_t`` on update steps; None when ``step`` updates nothing."""
         if step <= self.start_step:
             return 1.0
         if step % self.every_n_steps:
             return None
-        return 1.0 - self.update_decay()
+        decay = self.update_decay()
+        if self.warmup:
+            t = self.updates(step) - 1
+            decay = min(decay, (1 + t) / (10 + t))
+        return 1.0 - decay
+
+    def idle_warning(self, steps: int) -> str | None:
+        """Why the average cannot do its job in a run of ``steps`` steps, or None."""
+        updates = self.updates(steps)
+        if not updates:
+            return (
+                f"no update step within training.steps = {steps} (start_step {self.start_step}, "
+                f"every_n_steps {self.every_n_steps}): the average stays a copy of the weights"
+            )
+        decay = self.update_decay()
+        if not self.warmup and updates * (1 - decay) < 1:
+            return (
+                f"decay {decay:.6g} averages over ~{1 / (1 - decay):,.0f} updates but the run "
+                f"has {updates}: the average stays close to the initial weights; set warmup = "
+                "true or a lower decay"
+            )
+        return None
 
 
 class Ema:
@@ -123,6 +160,9 @@ class Ema:
         self.name = ctx.name_of(self)
         self.config = ctx.plugin_config(self)
         self.rank = ctx.rank
+        idle = self.config.idle_warning(ctx.config.training.steps)
+        if idle and ctx.rank == 0:
+            logger.warning("%s: %s", self.name, idle)
         named = list(ctx.model.named_parameters())
         self.params = tuple(p for _, p in named)
         with torch.no_grad():

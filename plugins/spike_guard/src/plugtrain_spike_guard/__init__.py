@@ -19,6 +19,7 @@ the run ends with a one-line error: the data is not the problem.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ from plugtrain.plugin import (
 )
 
 __all__ = ["SpikeGuard", "SpikeGuardConfig"]
+
+logger = logging.getLogger("plugtrain")
 
 SIGNALS = ("loss", "grad_norm")
 CAUSES = ("", "nonfinite", "spike", "big_spike")
@@ -164,6 +167,18 @@ class SpikeGuard:
             self._group = ctx.mesh.get_group()
         if ctx.rank == 0:
             self.log_path = Path(ctx.config.job.dump_folder) / EVENT_LOG
+            # A step is tested once the steps before it filled the warmup.
+            warmup, steps = max(cfg.warmup_steps, 2), ctx.config.training.steps
+            if warmup >= steps:
+                logger.warning(
+                    "%s: no step is tested for spikes within training.steps = %d (the tests "
+                    "start after %d accepted steps; non-finite values are still skipped): "
+                    "lower %s.warmup_steps",
+                    self.name,
+                    steps,
+                    warmup,
+                    self.name,
+                )
 
     @hookimpl(wrapper=True)
     def pre_backward(self, ctx: StepContext) -> Any:
