@@ -19,7 +19,7 @@ from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import ConfigError
 from plugtrain.model.transformer import FLAVORS
 from plugtrain.observability import logs, timing
-from plugtrain.observability.metrics import format_line, use_color
+from plugtrain.observability.metrics import CONSOLE_SHORT_FORMS, format_line, use_color
 from plugtrain.observability.timing import StepTimer, peak_tflops, throughput
 from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
 from plugtrain.training.launch import configure
@@ -237,31 +237,95 @@ def test_no_peak_and_no_mfu_on_cpu():
 
 RECORD = {
     "step": 20, "loss": 5.123456, "lr": 0.003, "grad_clip/grad_norm": 0.81234,
-    "grad_scaler/loss_scale": 65536.0, "tokens_per_sec": 5012.4, "tokens_per_sec_per_rank": 2506.2,
+    "grad_clip/clipped": 0.0, "grad_scaler/loss_scale": 65536.0, "spike_guard/rewinds": 0,
+    "tokens_per_sec": 5012.4, "tokens_per_sec_per_rank": 2506.2,
     "tflops": 0.0213, "mfu_pct": 41.23, "time_step_s": 0.16234, "time_data_s": 0.0012,
     "time_fwd_bwd_s": 0.14, "time_hooks_s": 0.0003, "time_optimizer_s": 0.021,
-    "memory_gib": 0.4112, "skipped_steps": 2,
+    "memory_gib": 0.4112, "skipped_steps": 2, "skipped_steps.grad_scaler": 2,
 }  # fmt: skip
+SHOWN = {"grad_clip/grad_norm": False, "grad_scaler/loss_scale": False, "spike_guard/rewinds": True}
 LINE = (
-    "step    20 | loss 5.1235 | grad_norm 0.8123 | loss_scale 65,536 | lr 3.00e-03 | "
-    "tok/s 5,012 | tflops 0.0213 | mfu 41.2% | mem 0.41GiB | "
-    "time 162ms (data 1.2 fb 140 hooks 0.30 opt 21.0) | skipped 2"
+    "step    20 | loss 5.1235 | grad_clip/grad_norm 0.8123 | grad_scaler/loss_scale 65,536 | "
+    "lr 3.00e-03 | tok/s 5,012 | mfu 41.2% | mem 0.41GiB | time 162ms | "
+    "skipped 2 (grad_scaler 2)"
 )
 
 
 def test_console_line_format():
-    assert format_line(RECORD) == LINE
-    assert format_line({"step": 50, "validation_loss": 4.75}) == "step    50 | val_loss 4.7500"
-    quiet = {k: v for k, v in RECORD.items() if k not in ("mfu_pct", "skipped_steps")}
-    assert format_line({**quiet, "skipped_steps": 0}) == LINE.replace(" | mfu 41.2%", "").replace(
-        " | skipped 2", ""
+    assert format_line(RECORD, shown=SHOWN) == LINE
+    # Only the plugin metrics their plugins chose; counts flagged nonzero once they are not 0.
+    assert format_line(RECORD) == LINE.replace(
+        "grad_clip/grad_norm 0.8123 | grad_scaler/loss_scale 65,536 | ", ""
+    )
+    rewound = format_line({**RECORD, "spike_guard/rewinds": 1}, shown=SHOWN)
+    assert rewound == LINE.replace("65,536 | ", "65,536 | spike_guard/rewinds 1 | ")
+    # tflops when the peak is unknown; nothing about skips before the first.
+    quiet = {k: v for k, v in RECORD.items() if k != "mfu_pct"}
+    assert format_line({**quiet, "skipped_steps": 0}, shown=SHOWN) == LINE.replace(
+        "mfu 41.2%", "tflops 0.0213"
+    ).replace(" | skipped 2 (grad_scaler 2)", "")
+    validation = {"step": 50, "validation_loss": 4.75, "ema/validation_loss": 4.8}
+    assert format_line(validation, shown={"ema/validation_loss": False}) == (
+        "step    50 | validation_loss 4.7500 | ema/validation_loss 4.8000"
     )
 
 
 def test_console_line_colors_only_decorate():
-    colored = format_line(RECORD, color=True)
+    colored = format_line(RECORD, color=True, shown=SHOWN)
     assert "\x1b[1mstep    20\x1b[0m" in colored and "\x1b[36mloss 5.1235\x1b[0m" in colored
     assert re.sub(r"\x1b\[\d+m", "", colored) == LINE
+
+
+def console_pairs(line: str) -> list[tuple[str, str]]:
+    """A console line's ``(record key, shown value)`` pairs: each label read as its key, or
+    through CONSOLE_SHORT_FORMS; the plugins after ``skipped`` as ``skipped_steps.<plugin>``."""
+    pairs = []
+    for part in line.split(" | "):
+        label, value = part.split(" ", 1)
+        if label == "skipped":
+            value, _, by = value.partition(" (")
+            for vetoed in filter(None, by.removesuffix(")").split(", ")):
+                plugin, count = vetoed.split(" ")
+                pairs.append((f"skipped_steps.{plugin}", count))
+        pairs.append((CONSOLE_SHORT_FORMS.get(label, label), value.strip()))
+    return pairs
+
+
+def test_with_every_shipped_plugin_the_console_is_short_and_names_each_value(
+    tmp_path, capsys, restore_logger, repo
+):
+    shipped = sorted(
+        p.name for p in (repo / "plugins").iterdir() if (p / "pyproject.toml").exists()
+    )
+    assert {"ema", "grad_clip", "grad_scaler", "spike_guard", "z_loss"} <= set(shipped)
+    train(
+        tmp_path, "--plugins.enabled", ",".join(shipped),
+        "--training.mixed_precision_param", "float16",  # the loss scaler acts
+        "--compile.backend", "eager", "--spike_guard.max_consecutive", "0",
+        "--validation.interval", "2", "--validation.steps", "1",
+        "--data.validation_path", str(VALIDATION),
+        steps=4,
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    lines = re.findall(r"^\d\d:\d\d:\d\d INFO (step +\d+ \|.*)$", err, re.MULTILINE)
+    records = read_metrics(tmp_path)
+    assert len(lines) == len(records) == 6  # 4 steps, 2 validations
+    shown = set()
+    for line, record in zip(lines, records, strict=True):
+        assert len(line) <= 160, line
+        for key, value in console_pairs(line):
+            assert key in record, (key, line)
+            number = re.sub(r",|%|GiB|ms$", "", value)
+            decimals = len(number.split("e")[0].partition(".")[2])
+            expected = record[key] * (1e3 if key == "time_step_s" else 1)
+            # Equal to the shown precision: its last digit, or 3 significant ones.
+            last_digit = 0 if "e" in number else 0.5 * 10**-decimals
+            rounding = pytest.approx(expected, rel=5e-3, abs=last_digit)
+            assert float(number) == rounding, (key, line)
+            shown.add(key)
+    assert {"grad_clip/grad_norm", "grad_scaler/loss_scale", "ema/validation_loss"} <= shown
+    assert not any(k.startswith("spike_guard/") for k in shown)  # no rewind in this run
+    assert len(set(CONSOLE_SHORT_FORMS.values())) == len(CONSOLE_SHORT_FORMS)  # one-to-one
 
 
 class Stream(io.StringIO):

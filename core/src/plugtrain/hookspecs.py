@@ -253,6 +253,9 @@ def step_metrics(ctx: StepContext) -> Metrics | None:
     Return scalar metrics for this step, ``{"grad_norm": norm}``; values may be 0-d tensors
     (the trainer reads them once per logging step, so keep per-step work free of ``.item()``).
     They are logged as ``<plugin name>/<key>``; metrics should be identical on every rank.
+    Every metric goes to ``metrics.jsonl``; the console line shows only those the plugin named
+    in ``setup`` with ``ctx.show_on_console(self, key, ...)``
+    (:meth:`plugtrain.plugin.SetupContext.show_on_console`), to stay short.
     """
 
 

@@ -145,10 +145,27 @@ class SetupContext:
     control: RunControl = field(default_factory=lambda: RunControl(), repr=False)
     """The run's :class:`RunControl`: the batch ranges skipped so far; skips and rewinds to ask
     for. The same object step hooks see as :attr:`StepContext.control`."""
+    console: dict[str, bool] = field(default_factory=dict, repr=False)
+    """The plugin metrics the console line shows, by full key, as :meth:`show_on_console`
+    declared them (the trainer reads it)."""
 
     def plugin_config(self, plugin: object) -> Any:
         """Return ``plugin``'s validated config section (its config dataclass)."""
         return self.config.plugin(self.name_of(plugin))
+
+    def show_on_console(self, plugin: object, *keys: str, nonzero: bool = False) -> None:
+        """Show ``plugin``'s metrics ``keys`` on the console line, as ``<name>/<key>``.
+
+        A key is one the plugin reports: a ``step_metrics`` key, a ``loss_terms`` name, or
+        ``validation_loss`` for the weights it offers in ``validation_weights``. Every metric
+        goes to ``metrics.jsonl`` and the other sinks whatever this says; the console shows a
+        plugin's metrics only when it asks here, so that its line stays short (about 160
+        characters with every shipped plugin): show the value a user watches (grad_clip its
+        ``grad_norm``), not internals. ``nonzero`` shows them only while they are not zero:
+        counts of rare events (spike_guard's rewinds).
+        """
+        name = self.name_of(plugin)
+        self.console.update({f"{name}/{key}": nonzero for key in keys})
 
     def deactivate(self, plugin: object, reason: str) -> None:
         """Unregister ``plugin`` once ``setup`` returns, so that none of its hooks fire again.

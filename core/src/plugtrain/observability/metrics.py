@@ -1,20 +1,24 @@
 """What a run reports: step metric records, their sinks and console line, and the run records.
 
 Every logged step (every ``metrics.log_freq`` steps, and the first and last) rank 0 writes one
-JSON object to ``<dump_folder>/metrics.jsonl`` and a compact line to the console. A record holds:
+JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (see
+:func:`format_line`). A record holds (the console's label in brackets where it is not the key):
 
 ================================  ============================================================
 ``step``                          the optimizer step (1-based)
 ``loss``                          training loss of the step, mean over ranks and microbatches
 ``lr``                            learning rate used by the step
 ``<plugin>/<key>``                a plugin's ``step_metrics`` (e.g. ``grad_clip/grad_norm``);
-                                  only core keys have no ``/``
-``tokens_per_sec``                training tokens per second over all ranks
+                                  only core keys have no ``/``; on the console only those the
+                                  plugin chose (``SetupContext.show_on_console``)
+``tokens_per_sec``                training tokens per second over all ranks [``tok/s``]
 ``tokens_per_sec_per_rank``       the same per rank
 ``tflops``                        achieved model TFLOP/s per rank (``ModelArgs.flops_per_token``)
 ``mfu_pct``                       model FLOPs utilisation in percent of the GPU's dense bf16
-                                  peak; absent on CPU or on a GPU of unknown peak
-``time_step_s``                   seconds per step, the sum of the four phases below
+                                  peak; absent on CPU or on a GPU of unknown peak [``mfu``,
+                                  shown instead of ``tflops``]
+``time_step_s``                   seconds per step, the sum of the four phases below [``time``,
+                                  in ms; the phases are in the file only]
 ``time_data_s``                   waiting for the batch
 ``time_fwd_bwd_s``                forward and backward of every microbatch, plugins'
                                   ``loss_terms`` included
@@ -22,17 +26,19 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a compact line to the console
                                   ``unscale_gradients``, ``observe_gradients``,
                                   ``post_backward``, ``pre_step``, ``post_step``
 ``time_optimizer_s``              ``optimizer.step()``, LR scheduler and ``zero_grad``
-``memory_gib``                    peak memory: CUDA max allocated, or the CPU's max RSS
-``skipped_steps``                 steps vetoed so far (read on logging steps only)
-``skipped_steps.<plugin>``        steps that plugin vetoed since the process started
+``memory_gib``                    peak memory: CUDA max allocated, or the CPU's max RSS [``mem``]
+``skipped_steps``                 steps vetoed so far (read on logging steps only) [``skipped``,
+                                  shown once not 0]
+``skipped_steps.<plugin>``        steps that plugin vetoed since the process started [``<plugin>``
+                                  in parentheses after ``skipped``]
 ================================  ============================================================
 
 Throughput and times are means over the steps since the previous logged step. Validation writes
-records of their own: ``{"step": 50, "validation_loss": 4.75}``. A run resumed from a checkpoint
-first cuts the file back to the checkpoint's step, so that its records continue it as if the
-run had never stopped. A run without checkpoints started again in the same folder appends from
-step 1, so a step may appear twice; readers keep the last record of a step (``plugtrain plot``
-does).
+records of their own: ``{"step": 50, "validation_loss": 4.75, "ema/validation_loss": 4.81}``.
+A run resumed from a checkpoint first cuts the file back to the checkpoint's step, so that its
+records continue it as if the run had never stopped. A run without checkpoints started again
+in the same folder appends from step 1, so a step may appear twice; readers keep the last
+record of a step (``plugtrain plot`` does).
 
 Sinks: the JSONL file (always), TensorBoard (``[metrics] enable_tensorboard``, event files in
 ``<dump_folder>/tensorboard``) and Weights & Biases (``[metrics] enable_wandb``; set
@@ -59,7 +65,6 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from plugtrain import __version__
-from plugtrain.observability.timing import StepTimer
 
 if TYPE_CHECKING:
     from plugtrain.config import JobConfig
@@ -83,18 +88,28 @@ _COLORS = {
     "magenta": "35", "cyan": "36",
 }  # fmt: skip
 
-# Console fields around the plugin metrics: (record key, label, format, color).
+CONSOLE_SHORT_FORMS = {
+    "tok/s": "tokens_per_sec",
+    "mfu": "mfu_pct",
+    "mem": "memory_gib",
+    "time": "time_step_s",
+    "skipped": "skipped_steps",
+}
+"""The console's labels that are not their record key, and the key each stands for."""
+
+# The core's console fields around the plugins' chosen metrics: (record key, format, color).
 _LEADING = (
-    ("loss", "loss", "{:.4f}", "cyan"),
-    ("validation_loss", "val_loss", "{:.4f}", "magenta"),
+    ("loss", "{:.4f}", "cyan"),
+    ("validation_loss", "{:.4f}", "magenta"),
 )
 _TRAILING = (
-    ("lr", "lr", "{:.2e}", ""),
-    ("tokens_per_sec", "tok/s", "{:,.0f}", "blue"),
-    ("tflops", "tflops", "{:.3g}", ""),
-    ("mfu_pct", "mfu", "{:.1f}%", "green"),
-    ("memory_gib", "mem", "{:.2f}GiB", "yellow"),
+    ("lr", "{:.2e}", ""),
+    ("tokens_per_sec", "{:,.0f}", "blue"),
+    ("mfu_pct", "{:.1f}%", "green"),
+    ("tflops", "{:.3g}", ""),  # only without mfu_pct, which says the same against the peak
+    ("memory_gib", "{:.2f}GiB", "yellow"),
 )
+_LABELS = {key: label for label, key in CONSOLE_SHORT_FORMS.items()}
 
 
 def use_color(stream: IO[str]) -> bool:
@@ -122,28 +137,35 @@ def _ms(seconds: float) -> str:
     return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 1 else f"{ms:.2f}"
 
 
-def format_line(record: Mapping[str, Any], color: bool = False) -> str:
-    """A compact console line for a metrics record; every key stays in the JSONL file.
+def format_line(
+    record: Mapping[str, Any], color: bool = False, shown: Mapping[str, bool] | None = None
+) -> str:
+    """A short console line for a metrics record; every key stays in the JSONL file.
 
-    ``step    10 | loss 5.1234 | grad_norm 0.8123 | lr 3.00e-03 | tok/s 5,012 | tflops 0.021 |
-    mem 0.41GiB | time 162ms (data 1.2 fb 140 hooks 0.3 opt 20)``, plus ``mfu`` when known and
-    ``skipped`` once a step was vetoed. Plugin metrics show their key without the plugin name.
+    ``step    10 | loss 5.1234 | grad_clip/grad_norm 0.8123 | lr 3.00e-03 | tok/s 5,012 |
+    tflops 0.021 | mem 0.41GiB | time 162ms``, with ``mfu`` instead of ``tflops`` when the
+    peak is known and ``skipped 2 (grad_clip 2)`` once a step was vetoed. Each value is labelled
+    with its record key, or with its short form in :data:`CONSOLE_SHORT_FORMS` (the vetoing
+    plugins in parentheses stand for ``skipped_steps.<plugin>``). Of the plugins' metrics
+    (``<plugin>/<key>``) only those in ``shown`` appear, in the order of their keys, as the
+    plugins chose them with :meth:`~plugtrain.plugin.SetupContext.show_on_console`; one whose
+    flag is true only while it is not zero.
     """
+    shown = shown or {}
     parts = [("bold", f"step {record['step']:>5}")]
+    parts += [(c, f"{k} {fmt.format(record[k])}") for k, fmt, c in _LEADING if k in record]
     parts += [
-        (c, f"{label} {fmt.format(record[k])}") for k, label, fmt, c in _LEADING if k in record
+        ("", f"{k} {_number(record[k])}")
+        for k in sorted(shown)  # whatever order the plugins were registered in
+        if k in record and not (shown[k] and record[k] == 0)
     ]
-    parts += [("", f"{k.rsplit('/', 1)[1]} {_number(v)}") for k, v in record.items() if "/" in k]
     parts += [
-        (c, f"{label} {fmt.format(record[k])}") for k, label, fmt, c in _TRAILING if k in record
+        (c, f"{_LABELS.get(k, k)} {fmt.format(record[k])}")
+        for k, fmt, c in _TRAILING
+        if k in record and not (k == "tflops" and "mfu_pct" in record)
     ]
     if "time_step_s" in record:
-        labels = ("data", "fb", "hooks", "opt")
-        split = " ".join(
-            f"{label} {_ms(record[f'time_{phase}_s'])}"
-            for phase, label in zip(StepTimer.PHASES, labels, strict=True)
-        )
-        parts.append(("dim", f"time {_ms(record['time_step_s'])}ms ({split})"))
+        parts.append(("dim", f"time {_ms(record['time_step_s'])}ms"))
     if record.get("skipped_steps"):
         by = ", ".join(
             f"{k.removeprefix('skipped_steps.')} {v}"
@@ -230,6 +252,9 @@ class MetricsLogger:
         self.folder = Path(config.job.dump_folder)
         self.path = self.folder / "metrics.jsonl"
         self.color = use_color(sys.stderr)
+        self.shown: dict[str, bool] = {}
+        """The plugin metrics on the console line (``SetupContext.console``); the trainer sets
+        it once the plugins are set up."""
         self._file: IO[str] | None = None
         self._sinks: list[TensorBoardSink | WandbSink] = []
         if not enabled:
@@ -269,7 +294,7 @@ class MetricsLogger:
         self._file.flush()
         for sink in self._sinks:
             sink.write(record)
-        logger.info(format_line(record, self.color))
+        logger.info(format_line(record, self.color, self.shown))
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""

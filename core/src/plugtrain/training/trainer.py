@@ -270,6 +270,7 @@ class Trainer:
             control=self.control,
         )
         self.host.setup(ctx)
+        self.metrics.shown = ctx.console
         self.loss_scaler = ctx.loss_scaler
         self.loss_terms = LossTerms.of(self.host)
         if self.param_dtype == torch.float16 and ctx.loss_scaler is None and self.world.is_main:

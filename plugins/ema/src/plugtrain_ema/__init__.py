@@ -163,6 +163,8 @@ class Ema:
         idle = self.config.idle_warning(ctx.config.training.steps)
         if idle and ctx.rank == 0:
             logger.warning("%s: %s", self.name, idle)
+        if self.config.validate:
+            ctx.show_on_console(self, "validation_loss")
         named = list(ctx.model.named_parameters())
         self.params = tuple(p for _, p in named)
         with torch.no_grad():

@@ -67,6 +67,7 @@ class GradClip:
     def setup(self, ctx: SetupContext) -> None:
         self.name = ctx.name_of(self)
         self.config = ctx.plugin_config(self)
+        ctx.show_on_console(self, "grad_norm")
         self.first_nonfinite_step = self.first_nonfinite_step.to(ctx.device)
 
     @hookimpl

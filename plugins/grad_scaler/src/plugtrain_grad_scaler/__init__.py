@@ -117,6 +117,7 @@ class GradScaler:
         self.found_inf = self.found_inf.to(device)
         self.skipped_steps = self.skipped_steps.to(device)
         ctx.register_loss_scaler(self)
+        ctx.show_on_console(self, "loss_scale")  # its skips show in the core's skipped_steps
 
     @hookimpl
     def pre_backward(self, ctx: StepContext) -> None:

@@ -160,6 +160,8 @@ class SpikeGuard:
                 f"rewind_sigma {cfg.rewind_sigma}) but checkpoint.enable is off: enable "
                 f"checkpoints, or set {self.name}.max_consecutive = 0 and rewind_sigma = 0"
             )
+        # Its skips show in the core's skipped_steps; the window's statistics are internals.
+        ctx.show_on_console(self, "rewinds", nonzero=True)
         log_freq = ctx.config.metrics.log_freq
         self._allocate(ctx.device, min(log_freq, cfg.check_every or log_freq))
         self._world_size = ctx.world_size

@@ -4,7 +4,9 @@ The auxiliary loss keeps the softmax normaliser ``log Z = logsumexp(logits)`` ne
 keeps the logits from drifting and large-scale bf16 training stable (PaLM, OLMo, MaxText use
 ``weight = 1e-4``). It is a loss term (the ``loss_terms`` hook): the trainer adds it to each
 microbatch's loss before ``pre_backward``, so a loss scaler scales it with the rest, and logs
-it as ``<plugin name>/z_loss``, averaged over microbatches and ranks like the loss.
+it as ``<plugin name>/z_loss``, averaged over microbatches and ranks like the loss. The console
+line leaves it out: a small term that moves slowly, it is read in ``metrics.jsonl`` and the
+sinks, while the console's ``loss`` stays the cross-entropy.
 """
 
 from __future__ import annotations
