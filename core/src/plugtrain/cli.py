@@ -4,6 +4,7 @@
   plugtrain plugins [--config FILE] [--plugins.enabled NAMES]  # installed plugins, their hooks
   plugtrain plot RUN_DIR [RUN_DIR ...] [-o metrics.png]        # draw and compare runs
   plugtrain prepare-data INPUT [INPUT ...] -o OUT --tokenizer FILE  # tokenize a corpus once
+  plugtrain estimate CONFIG [--gpus N] [--section.key VALUE ...]  # memory each GPU needs
 
 With no arguments, plugtrain train trains the debug model on the Shakespeare sample shipped
 with plugtrain; --config debug names the shipped configs/debug.toml.
@@ -96,6 +97,15 @@ def prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_estimate(args: argparse.Namespace, overrides: list[str]) -> None:
+    """Print the memory estimate of ``args.config`` (with ``overrides``) on ``args.gpus``."""
+    from plugtrain.model import estimate_run  # lazy: only this command needs it
+
+    configured = configure(["--config", args.config, *overrides])
+    assert configured is not None  # no --help among the overrides: argparse took it
+    print(estimate_run(configured[0], args.gpus).table())
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the plugtrain command line ``argv`` (default: this process's) and return its exit
     status."""
@@ -155,7 +165,20 @@ def command(argv: list[str]) -> int:
     data.add_argument(
         "--shard-tokens", type=int, help="tokens per shard (default: 2^28, 512 MiB of uint16)"
     )
+    estimate = sub.add_parser(
+        "estimate",
+        help="estimate the memory each GPU needs to train a config",
+        description="Parameters, gradients, optimizer state, activations and logits per process "
+        "for CONFIG on --gpus processes, with --section.key VALUE overrides as train.py takes "
+        "them. The formulas are in plugtrain/model/memory.py.",
+    )
+    estimate.add_argument("config", metavar="CONFIG", help="a TOML config")
+    estimate.add_argument("--gpus", type=int, default=1, help="processes in all (default 1)")
     args, rest = parser.parse_known_args(argv)
+    if args.command == "estimate":
+        if args.gpus < 1:
+            parser.error(f"--gpus must be >= 1, got {args.gpus}")
+        return run_cli(lambda: print_estimate(args, rest))
     if args.command == "prepare-data":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -36,7 +36,7 @@ from plugtrain.data import (
 )
 from plugtrain.distributed import World, all_reduce_mean, init_world
 from plugtrain.host import PluginHost
-from plugtrain.model import DTYPES, FLAVORS, Transformer, build_model, reshard
+from plugtrain.model import DTYPES, FLAVORS, Transformer, build_model, estimate_run, reshard
 from plugtrain.observability import (
     HookTracer,
     MetricsLogger,
@@ -367,6 +367,8 @@ class Trainer:
             self.device.type,
             cfg.training.mixed_precision_param,
         )
+        estimate = estimate_run(cfg, self.world.world_size, self.model_args.vocab_size)
+        logger.info("memory estimate per process: %s", estimate.summary())
         self.model.train()
         self.stop.install()
         while self.step < cfg.training.steps:

@@ -1,0 +1,244 @@
+"""The estimate of a run's memory on each device: weights, optimizer state, activations, logits.
+
+:func:`estimate_memory` adds up, in bytes per process, what a training step holds at its peak
+(the start of the last microbatch's backward, when every activation is still kept and the
+gradients of earlier microbatches are there):
+
+* **parameters**, **gradients** and **optimizer** state: fp32 parameters and gradients, and
+  fused AdamW's two fp32 moments, 4 + 4 + 8 bytes a parameter, divided by the world size when
+  FSDP2 shards the model (see :func:`~plugtrain.model.sharding.needs_sharding`);
+* **gathered**: what FSDP2 all-gathers in the compute dtype: the root's parameters (embedding,
+  final norm, output projection: kept from forward to the end of backward) and two blocks (the
+  one computing and the one prefetched); and the unsharded gradients of the output projection
+  (from the start of backward to its end) and of one block, plus that block's copy in the
+  reduce dtype when it differs;
+* **activations**: what autograd keeps for backward, :func:`layer_bytes_per_token` per block
+  and token, plus the final norm's, plus, with activation checkpointing, one block's full set
+  recomputed in its backward;
+* **logits**: ``12 * vocab`` bytes a token of the microbatch: the loss upcasts the logits to
+  fp32 and log-softmax keeps its fp32 output; at the start of backward that output, the
+  gradient NLL gives it and the gradient it gives back are three fp32 [tokens, vocab] tensors.
+
+What a block keeps, per token, read off ``transformer.py``'s ops (``d`` = dim, ``q`` = n_heads *
+head_dim, ``kv`` = n_kv_heads * head_dim, ``H`` = ffn_hidden_dim, ``p`` = bytes of the compute
+dtype, the rest fp32):
+
+* without checkpointing, everything autograd saves: each of the two RMSNorms its fp32 input
+  (``4d``; under fp32 compute that is the residual stream itself), its inverse RMS (4) and
+  both its normalised output and that times the weight (``2pd``); attention the rotated
+  queries and keys, the values and SDPA's output (``p(2q + 2kv)``; RoPE's complex product
+  saves only the rotation table, the projections share the norm's output) and SDPA's fp32
+  log-sum-exp (``4 * n_heads``); the SwiGLU its two projections, the SiLU and their product
+  (``4pH``);
+* ``full`` checkpointing: the block's input only (``pd``);
+* ``selective`` by op: the block's input and the outputs of the seven matmuls and of SDPA
+  (``p(3d + 2q + 2kv + 2H) + 4 * n_heads``), the elementwise ops being recomputed;
+* ``selective`` by layer: every ``every``-th block as ``full``, the others as without.
+
+Not counted: the CUDA context, NCCL's buffers, the allocator's fragmentation, gradients of
+activations in flight during backward, ``torch.compile``'s buffers, and plugins' extra state
+(EMA weights, a loss term's own copy of the logits): leave a margin for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from plugtrain.config import JobConfig
+from plugtrain.data import Tokenizer
+from plugtrain.errors import ConfigError
+from plugtrain.model.sharding import DTYPES, needs_sharding
+from plugtrain.model.transformer import FLAVORS, ModelArgs
+
+__all__ = [
+    "Checkpointing",
+    "MemoryEstimate",
+    "checkpointing_of",
+    "estimate_memory",
+    "estimate_run",
+    "layer_bytes_per_token",
+]
+
+CHECKPOINTING_PLUGIN = "activation_checkpointing"
+"""The plugin whose config section says what activation checkpointing a run does."""
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """What activation checkpointing a run does: ``none``, ``full``, ``op`` (selective by op)
+    or ``layer`` (selective by layer: every ``every``-th block in full)."""
+
+    mode: Literal["none", "full", "op", "layer"] = "none"
+    every: int = 1
+
+    def describe(self) -> str:
+        """In words, for the estimate's table."""
+        return {
+            "none": "no activation checkpointing",
+            "full": "full activation checkpointing",
+            "op": "selective activation checkpointing (by op)",
+            "layer": f"selective activation checkpointing (every {self.every} blocks)",
+        }[self.mode]
+
+
+def checkpointing_of(config: JobConfig) -> Checkpointing:
+    """The activation checkpointing ``config`` asks for, from the plugin's section if enabled.
+
+    Read by field name, as the plugin declares them (``mode``, ``selective_by``, ``every``):
+    the core imports no plugin.
+    """
+    if CHECKPOINTING_PLUGIN not in config.plugin_sections:
+        return Checkpointing()
+    section = config.plugin(CHECKPOINTING_PLUGIN)
+    if section.mode == "full":
+        return Checkpointing("full")
+    if section.selective_by == "op":
+        return Checkpointing("op")
+    return Checkpointing("layer", section.every)
+
+
+def layer_bytes_per_token(args: ModelArgs, compute_bytes: int, mode: str) -> int:
+    """Bytes one block keeps for backward per token, by checkpointing mode: ``none``,
+    ``full`` or ``op`` (the module docstring derives each from the block's ops)."""
+    d, p, h = args.dim, compute_bytes, args.ffn_hidden_dim
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    if mode == "full":
+        return p * d
+    if mode == "op":
+        return p * (3 * d + 2 * q + 2 * kv + 2 * h) + 4 * args.n_heads
+    norms = 2 * (4 * d + 4 + 2 * p * d)
+    return norms + p * (2 * q + 2 * kv) + 4 * args.n_heads + 4 * p * h
+
+
+def _block_params(args: ModelArgs) -> int:
+    root = 2 * args.vocab_size * args.dim + args.dim  # embedding, output, final norm
+    return (args.num_params() - root) // args.n_layers
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The bytes each process holds at a step's peak, by part (see the module docstring)."""
+
+    parts: tuple[tuple[str, int, str], ...]
+    """(name, bytes, how it is counted) for each part, in the table's order."""
+    setting: str
+    """The run the estimate is for, in words."""
+
+    @property
+    def total(self) -> int:
+        """The sum of the parts, in bytes."""
+        return sum(nbytes for _, nbytes, _ in self.parts)
+
+    def table(self) -> str:
+        """Each part, its size and how it is counted, then the total (several lines)."""
+        width = max(len(name) for name, _, _ in self.parts)
+        lines = [f"memory estimate per process: {self.setting}"]
+        for name, nbytes, how in self.parts:
+            lines.append(f"  {name:<{width}}  {_size(nbytes):>10}  {how}")
+        lines.append(f"  {'total':<{width}}  {_size(self.total):>10}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: the total, then each part."""
+        parts = ", ".join(f"{name} {_size(nbytes)}" for name, nbytes, _ in self.parts)
+        return f"{_size(self.total)} ({parts})"
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def estimate_memory(
+    args: ModelArgs,
+    *,
+    world_size: int,
+    microbatch: int,
+    seq_len: int,
+    param_dtype: str,
+    reduce_dtype: str,
+    checkpointing: Checkpointing,
+) -> MemoryEstimate:
+    """The bytes each of ``world_size`` processes holds at a step's peak, training ``args`` on
+    microbatches of ``microbatch`` sequences of ``seq_len`` tokens (dtypes by config name)."""
+    p, r = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
+    n, tokens = args.num_params(), microbatch * seq_len
+    sharded = needs_sharding(world_size, DTYPES[param_dtype], DTYPES[reduce_dtype])
+    ranks = world_size if sharded else 1
+    where = f"fp32, 1/{world_size} of the model each" if sharded else "fp32, not sharded"
+    block, out_proj = _block_params(args), args.vocab_size * args.dim
+    gathered = 0
+    if sharded:
+        root = 2 * out_proj + args.dim
+        gathered = p * (root + 2 * block) + p * (out_proj + block) + (r * block if r != p else 0)
+    per_layer = {mode: layer_bytes_per_token(args, p, mode) for mode in ("none", "full", "op")}
+    if checkpointing.mode == "layer":
+        full = args.n_layers // checkpointing.every
+        kept = full * per_layer["full"] + (args.n_layers - full) * per_layer["none"]
+    else:
+        kept = args.n_layers * per_layer[checkpointing.mode]
+    recompute = 0 if checkpointing.mode == "none" else per_layer["none"]
+    final_norm = 4 * args.dim + 4 + 2 * p * args.dim
+    return MemoryEstimate(
+        parts=(
+            ("parameters", math.ceil(n / ranks) * 4, where),
+            ("gradients", math.ceil(n / ranks) * 4, where),
+            ("optimizer", math.ceil(n / ranks) * 8, "AdamW's two moments, " + where),
+            (
+                "gathered",
+                gathered,
+                f"unsharded {param_dtype} root and 2 blocks, gradients of the output and a block"
+                if sharded
+                else "none: the model is not sharded",
+            ),
+            (
+                "activations",
+                tokens * (kept + final_norm + recompute),
+                f"{args.n_layers} blocks x {tokens} tokens, {checkpointing.describe()}",
+            ),
+            ("logits", tokens * args.vocab_size * 12, "3 fp32 [tokens, vocab] in the loss"),
+        ),
+        setting=f"{world_size} process(es), microbatch {microbatch} x {seq_len} tokens, "
+        f"{param_dtype} compute",
+    )
+
+
+def estimate_run(
+    config: JobConfig, world_size: int, vocab_size: int | None = None
+) -> MemoryEstimate:
+    """:func:`estimate_memory` for ``config`` on ``world_size`` processes.
+
+    ``vocab_size`` is the tokenizer's; by default it is read from ``model.tokenizer_path``, or,
+    where that file does not exist, the flavor's is used (and the estimate says so).
+    """
+    train = config.training
+    parts = world_size * train.grad_accum_steps
+    if train.batch_size % parts:
+        raise ConfigError(
+            f"training.batch_size {train.batch_size} is not divisible by world_size * "
+            f"grad_accum_steps = {world_size} * {train.grad_accum_steps} = {parts}: set "
+            f"training.batch_size to a multiple of {parts} or change grad_accum_steps"
+        )
+    args, whose = FLAVORS[config.model.flavor], ""
+    if vocab_size is None and Path(config.model.tokenizer_path).is_file():
+        vocab_size = Tokenizer.from_file(config.model.tokenizer_path).vocab_size
+    if vocab_size is None:
+        whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
+    else:
+        args = dataclasses.replace(args, vocab_size=vocab_size)
+    estimate = estimate_memory(
+        args,
+        world_size=world_size,
+        microbatch=train.batch_size // parts,
+        seq_len=train.seq_len,
+        param_dtype=train.mixed_precision_param,
+        reduce_dtype=train.mixed_precision_reduce,
+        checkpointing=checkpointing_of(config),
+    )
+    setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"
+    return dataclasses.replace(estimate, setting=setting)
