@@ -41,6 +41,20 @@ def estimate_of(config: Path, *overrides: str, world_size: int | None = None) ->
     return estimate_run(configured[0], world_size or intended_world_size(config)).total
 
 
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_fits_an_80gb_gpu(config):
+    assert estimate_of(config) <= 0.9 * GPU_BYTES
+
+
+def test_the_8b_config_as_it_was_does_not_fit(tmp_path):
+    """8 sequences of 8192 tokens a GPU without checkpointing: the test can fail."""
+    old = tmp_path / LLAMA3_8B.name
+    text = re.sub(r"\[activation_checkpointing\][^[]*", "", LLAMA3_8B.read_text())
+    old.write_text(text.replace('"activation_checkpointing", ', ""))
+    assert estimate_of(old, "--training.grad_accum_steps", "1") > 4 * GPU_BYTES
+    assert intended_world_size(LLAMA3_8B) == 8
+
+
 def test_the_parts_follow_the_sharding_and_the_microbatch():
     args = FLAVORS["8B"]
     run = dict(microbatch=1, seq_len=8192, param_dtype="bfloat16", reduce_dtype="float32")
@@ -96,6 +110,18 @@ def test_the_loss_peaks_at_three_fp32_logits():
     with PeakMemory() as memory:
         F.cross_entropy(logits.float(), torch.randint(0, vocab, (tokens,))).backward()
     assert memory.peak == pytest.approx(12 * tokens * vocab, rel=0.01)
+
+
+def test_plugtrain_estimate_prints_a_table_and_a_total(capsys):
+    assert main(["estimate", str(LLAMA3_8B), "--gpus", "8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("memory estimate per process: 8B model, vocab 128256")
+    assert "8 process(es), microbatch 1 x 8192 tokens" in out[0]
+    assert [line.split()[0] for line in out[1:]] == [
+        "parameters", "gradients", "optimizer", "gathered", "activations", "logits", "total",
+    ]  # fmt: skip
+    assert "selective activation checkpointing (by op)" in out[5]
+    assert out[-1].split()[1:] == [f"{estimate_of(LLAMA3_8B) / 2**30:.2f}", "GiB"]
 
 
 def test_plugtrain_estimate_names_a_batch_that_does_not_divide(capsys):
