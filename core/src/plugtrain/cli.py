@@ -5,6 +5,7 @@
   plugtrain plot RUN_DIR [RUN_DIR ...] [-o metrics.png]        # draw and compare runs
   plugtrain prepare-data INPUT [INPUT ...] -o OUT --tokenizer FILE  # tokenize a corpus once
   plugtrain estimate CONFIG [--gpus N] [--section.key VALUE ...]  # memory each GPU needs
+  plugtrain export-hf PATH -o OUT [--dtype bfloat16] [--weights model|ema]  # Hugging Face folder
 
 With no arguments, plugtrain train trains the debug model on the Shakespeare sample shipped
 with plugtrain; --config debug names the shipped configs/debug.toml.
@@ -106,6 +107,24 @@ def print_estimate(args: argparse.Namespace, overrides: list[str]) -> None:
     print(estimate_run(configured[0], args.gpus).table())
 
 
+def export_hf(args: argparse.Namespace) -> int:
+    """Run ``plugtrain export-hf`` and say what it wrote."""
+    import torch
+
+    from plugtrain.checkpoint import export_checkpoint, parse_size
+
+    folder = export_checkpoint(
+        args.path,
+        args.output,
+        dtype=getattr(torch, args.dtype),
+        weights=args.weights,
+        max_shard_size=parse_size(args.max_shard_size),
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {args.output}: the {args.weights} weights of {folder} in {args.dtype}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the plugtrain command line ``argv`` (default: this process's) and return its exit
     status."""
@@ -174,11 +193,37 @@ def command(argv: list[str]) -> int:
     )
     estimate.add_argument("config", metavar="CONFIG", help="a TOML config")
     estimate.add_argument("--gpus", type=int, default=1, help="processes in all (default 1)")
+    export = sub.add_parser(
+        "export-hf",
+        help="write a checkpoint as a Hugging Face Llama folder (safetensors, config, tokenizer)",
+        description="Write the latest checkpoint of a run (PATH: its dump folder) or one "
+        "step-N folder as a folder that transformers' LlamaForCausalLM and AutoTokenizer load "
+        "with no other file. Reads one tensor at a time; written to OUT.partial and renamed "
+        "when complete.",
+    )
+    export.add_argument("path", metavar="PATH", help="a run's dump folder or a step-N folder")
+    export.add_argument("-o", "--output", required=True, help="the folder to write")
+    export.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+        help="dtype of every floating tensor (default: bfloat16)",
+    )  # fmt: skip
+    export.add_argument(
+        "--weights", default="model", choices=("model", "ema"),
+        help="the trained weights, or the ema plugin's average (default: model)",
+    )  # fmt: skip
+    export.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)"
+    )
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     args, rest = parser.parse_known_args(argv)
     if args.command == "estimate":
         if args.gpus < 1:
             parser.error(f"--gpus must be >= 1, got {args.gpus}")
         return run_cli(lambda: print_estimate(args, rest))
+    if args.command == "export-hf":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return run_cli(lambda: export_hf(args))
     if args.command == "prepare-data":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -18,6 +18,6 @@ __getattr__, __dir__, __all__ = front_door(
         "prepare": ["SHARD_TOKENS"],
         "skips": ["SkippingLoader", "read_skip_file", "write_skip_file"],
         "sources": ["iter_documents"],
-        "tokenizer": ["Tokenizer"],
+        "tokenizer": ["BOS_TOKEN", "EOS_TOKEN", "Tokenizer"],
     },
 )

@@ -6,6 +6,7 @@ __getattr__, __dir__, __all__ = front_door(
     __name__,
     {
         "args": ["FLAVORS", "ModelArgs"],
+        "hf": ["hf_config", "parameter_shapes", "to_hf"],
         "memory": ["estimate_run"],
         "sharding": ["DTYPES", "build_model", "reshard"],
         "transformer": ["Transformer"],

@@ -1,0 +1,327 @@
+"""Export a checkpoint to a Hugging Face Llama folder, one tensor in memory at a time.
+
+The folder holds ``model.safetensors`` (or shards and ``model.safetensors.index.json``),
+``config.json``, ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``:
+``transformers.LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it
+with no other file. :func:`export_checkpoint` reads a DCP checkpoint key by key (``plugtrain
+export-hf``); :func:`write_hf_folder` takes any source of full tensors (the ``hf_export``
+plugin gathers them from a sharded model).
+
+The safetensors files are written by hand rather than with ``safetensors.torch.save_file``,
+which needs every tensor of a file in memory at once. The format is a little-endian u64 header
+length, a JSON header (dtype, shape and byte range of each tensor) and the raw bytes; the shapes
+are known from the model's config before any tensor is read, so each file's header is written
+first and the tensors stream after it. The output is built in ``OUT.partial`` and renamed to
+``OUT`` when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner, read_metadata
+from plugtrain.checkpoint.manager import CONFIG, checkpoint_folder, complete_checkpoints
+from plugtrain.data import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from plugtrain.errors import CheckpointError, UserError, one_line
+from plugtrain.model import FLAVORS, ModelArgs, hf_config, parameter_shapes, to_hf
+
+__all__ = [
+    "WEIGHTS",
+    "export_checkpoint",
+    "find_checkpoint",
+    "parse_size",
+    "run_model_args",
+    "write_hf_folder",
+]
+
+WEIGHTS = {"model": "model.", "ema": "plugins.ema.average."}
+"""The weights ``--weights`` can export, by the DCP key prefix of their tensors: the model's,
+or the average of the ``ema`` plugin (its ``state_dict``, read by name: the core imports no
+plugin)."""
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+"""The dtypes an export writes, by their safetensors name."""
+_SIZE = re.compile(r"(\d+)\s*([KMG]i?B)?", re.IGNORECASE)
+_UNITS = {"": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_STEP_DIR = re.compile(r"step-\d+")
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``"5GB"``, ``"200MiB"``, ``"1000"`` (Hugging Face's ``max_shard_size`` form)."""
+    match = _SIZE.fullmatch(text.strip())
+    if not match or int(match[1]) < 1:
+        raise UserError(f"size '{text}' is not a positive size: write e.g. 5GB, 500MB or 2GiB")
+    return int(match[1]) * _UNITS[(match[2] or "").lower()]
+
+
+def find_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint folder ``path`` names: itself (a ``step-N/`` folder), or the latest
+    complete checkpoint of the run whose dump folder it is."""
+    path = Path(path)
+    if (path / ".metadata").is_file() or (_STEP_DIR.fullmatch(path.name) and path.is_dir()):
+        return path
+    found = complete_checkpoints(checkpoint_folder(path)) or complete_checkpoints(path)
+    if not found:
+        raise CheckpointError(
+            f"no checkpoint at '{path}': give a run's dump folder (job.dump_folder) that holds "
+            "checkpoints/step-N, or one step-N folder"
+        )
+    return found[max(found)]
+
+
+def run_model_args(run_config: Mapping[str, Any], vocab_size: int) -> ModelArgs:
+    """The shape of the model a run with resolved config ``run_config`` trains (the flavor,
+    with the tokenizer's vocabulary and room for the run's sequence length)."""
+    flavor = FLAVORS[run_config["model"]["flavor"]]
+    seq_len = run_config["training"]["seq_len"]
+    return dataclasses.replace(
+        flavor, vocab_size=vocab_size, max_seq_len=max(flavor.max_seq_len, seq_len)
+    )
+
+
+def _run_config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint '{folder}' is damaged: cannot read its {CONFIG} ({one_line(e)}); "
+            "export another checkpoint of the run"
+        ) from e
+
+
+def export_checkpoint(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    weights: str = "model",
+    max_shard_size: int = 5 * 10**9,
+    overwrite: bool = False,
+) -> Path:
+    """Write checkpoint ``path`` (see :func:`find_checkpoint`) as a Hugging Face folder ``out``,
+    reading one tensor at a time; returns the checkpoint folder exported."""
+    folder = find_checkpoint(path)
+    metadata = read_metadata(folder)
+    run_config = _run_config(folder)
+    tokenizer_path = Path(run_config["model"]["tokenizer_path"])
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    args = run_model_args(run_config, tokenizer.vocab_size)
+    prefix = WEIGHTS[weights]
+    stored = {
+        key.removeprefix(prefix): md
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    if not stored:
+        raise CheckpointError(
+            f"checkpoint '{folder}' holds no {weights} weights (no key '{prefix}*'): "
+            + ("train with the ema plugin, or export --weights model" if weights == "ema" else "")
+        )
+    shapes = parameter_shapes(args)
+    for name, md in stored.items():
+        if name not in shapes:
+            to_hf(name, torch.empty(0), args)  # raises: the format has no place for it
+        if tuple(md.size) != shapes[name]:
+            raise CheckpointError(
+                f"checkpoint '{folder}' holds '{prefix}{name}' of shape {tuple(md.size)}, but "
+                f"its config ({run_config['model']['flavor']}, vocab {args.vocab_size}) gives "
+                f"{shapes[name]}: export with the tokenizer and flavor of the run that saved it"
+            )
+    missing = [name for name in shapes if name not in stored]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint '{folder}' lacks '{prefix}{missing[0]}': export a complete checkpoint"
+        )
+
+    def load(name: str) -> torch.Tensor:
+        md = stored[name]
+        tensor = torch.empty(md.size, dtype=md.properties.dtype)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(
+                    {prefix + name: tensor},
+                    storage_reader=SafeFileSystemReader(folder),
+                    planner=TensorOnlyLoadPlanner(),
+                    no_dist=True,
+                )
+        except (Exception, dcp.CheckpointException) as e:
+            raise CheckpointError(
+                f"checkpoint '{folder}' is damaged: cannot read '{prefix}{name}' "
+                f"({one_line(e)}); export another checkpoint of the run"
+            ) from e
+        return tensor
+
+    write_hf_folder(
+        out,
+        args,
+        load,
+        tokenizer_path=tokenizer_path,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+    )
+    return folder
+
+
+def _write(f: Any, data: Any) -> None:
+    """Write ``data`` (bytes or a buffer) to file ``f``; tests replace it to fill the disk."""
+    f.write(data)
+
+
+def _header(names: list[str], shapes: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> bytes:
+    """A safetensors header for ``names`` stored in this order, padded to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        size = torch.empty(0, dtype=dtype).element_size() * torch.Size(shapes[name]).numel()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shapes[name]),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
+    """``sizes``' names in order, cut into files of at most ``max_bytes`` (or one tensor)."""
+    shards: list[list[str]] = [[]]
+    total = 0
+    for name, size in sizes.items():
+        if shards[-1] and total + size > max_bytes:
+            shards.append([])
+            total = 0
+        shards[-1].append(name)
+        total += size
+    return shards
+
+
+def _tokenizer_files(tokenizer_path: Path, args: ModelArgs) -> tuple[dict, dict, dict]:
+    """tokenizer_config.json, generation_config.json and the special token ids, from the
+    tokenizer.json the run trained with."""
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    padding = json.loads(tokenizer_path.read_text()).get("padding") or {}
+    tokens = {
+        "bos": (BOS_TOKEN, tokenizer.bos_id) if tokenizer.bos_id is not None else (None, None),
+        "eos": (EOS_TOKEN, tokenizer.eos_id),
+        "pad": (padding.get("pad_token"), padding.get("pad_id")),
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{f"{kind}_token": token for kind, (token, _) in tokens.items() if token is not None},
+        "model_max_length": args.max_seq_len,
+        "clean_up_tokenization_spaces": False,
+    }
+    ids = {f"{kind}_token_id": token_id for kind, (_, token_id) in tokens.items()}
+    generation_config = {k: v for k, v in ids.items() if v is not None}
+    return tokenizer_config, generation_config, ids
+
+
+def write_hf_folder(
+    out: str | os.PathLike[str],
+    args: ModelArgs,
+    load: Callable[[str], torch.Tensor],
+    *,
+    tokenizer_path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int = 5 * 10**9,
+    overwrite: bool = False,
+) -> Path:
+    """Write a Hugging Face Llama folder ``out`` for a model of shape ``args``.
+
+    ``load(name)`` gives the full tensor of plugtrain parameter ``name``; it is called once per
+    parameter in the model's order, and only that tensor (and its converted copy) is held.
+    Every floating tensor is cast to ``dtype``. The folder is built in ``out.partial`` and
+    renamed when complete; an existing non-empty ``out`` is refused unless ``overwrite``.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserError(
+            f"'{out}' exists and is not empty: choose another -o folder, or pass --overwrite"
+        )
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise UserError(f"cannot export in {dtype}: choose float32, bfloat16 or float16")
+    tokenizer_path = Path(tokenizer_path)
+    tokenizer_config, generation_config, ids = _tokenizer_files(tokenizer_path, args)
+    shapes = parameter_shapes(args)
+    hf_names = {name: to_hf(name, torch.empty(0), args, permute=False)[0] for name in shapes}
+    hf_shapes = {hf_names[name]: shape for name, shape in shapes.items()}
+    item = torch.empty(0, dtype=dtype).element_size()
+    sizes = {name: item * torch.Size(shape).numel() for name, shape in shapes.items()}
+    shards = _shards(sizes, max_shard_size)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    partial = out.with_name(out.name + ".partial")
+    try:
+        if partial.exists():  # left by an export that crashed
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+        weight_map = {}
+        for file, names in zip(files, shards, strict=True):
+            with open(partial / file, "wb") as f:
+                _write(f, _header([hf_names[n] for n in names], hf_shapes, dtype))
+                for name in names:
+                    hf_name, tensor = to_hf(name, load(name), args)
+                    if tuple(tensor.shape) != shapes[name]:
+                        raise CheckpointError(
+                            f"tensor '{name}' has shape {tuple(tensor.shape)}, but the model's "
+                            f"config gives {shapes[name]}: export the checkpoint of this model"
+                        )
+                    tensor = tensor.to(dtype).contiguous()
+                    _write(f, tensor.reshape(-1).view(torch.uint8).numpy())
+                    weight_map[hf_name] = file
+        if len(files) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+            _write_json(partial / "model.safetensors.index.json", index)
+        _write_json(
+            partial / "config.json",
+            hf_config(
+                args,
+                dtype=dtype,
+                bos_token_id=ids["bos_token_id"],
+                eos_token_id=ids["eos_token_id"],
+            ),
+        )
+        _write_json(partial / "generation_config.json", generation_config)
+        _write_json(partial / "tokenizer_config.json", tokenizer_config)
+        with open(partial / "tokenizer.json", "wb") as f:
+            _write(f, tokenizer_path.read_bytes())
+        if out.exists():
+            doomed = out.with_name(out.name + ".deleting")
+            out.rename(doomed)
+            shutil.rmtree(doomed)
+        partial.rename(out)
+    except BaseException as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, OSError):
+            why = "disk full" if e.errno == errno.ENOSPC else one_line(e)
+            raise UserError(
+                f"cannot write '{out}' ({why}; nothing was left there): free space on its disk "
+                "or choose another -o folder"
+            ) from e
+        raise
+    return out
+
+
+def _write_json(path: Path, value: Any) -> None:
+    with open(path, "w") as f:
+        _write(f, json.dumps(value, indent=2) + "\n")
