@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner, read_metadata
-from plugtrain.checkpoint.manager import CONFIG, checkpoint_folder, complete_checkpoints
+from plugtrain.checkpoint.layout import CONFIG, STEP_DIR, checkpoint_folder, complete_checkpoints
 from plugtrain.data import BOS_TOKEN, EOS_TOKEN, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
 from plugtrain.model import FLAVORS, ModelArgs, hf_config, parameter_shapes, to_hf
@@ -56,7 +56,6 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat1
 """The dtypes an export writes, by their safetensors name."""
 _SIZE = re.compile(r"(\d+)\s*([KMG]i?B)?", re.IGNORECASE)
 _UNITS = {"": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_STEP_DIR = re.compile(r"step-\d+")
 
 
 def parse_size(text: str) -> int:
@@ -71,7 +70,7 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint folder ``path`` names: itself (a ``step-N/`` folder), or the latest
     complete checkpoint of the run whose dump folder it is."""
     path = Path(path)
-    if (path / ".metadata").is_file() or (_STEP_DIR.fullmatch(path.name) and path.is_dir()):
+    if (path / ".metadata").is_file() or (STEP_DIR.fullmatch(path.name) and path.is_dir()):
         return path
     found = complete_checkpoints(checkpoint_folder(path)) or complete_checkpoints(path)
     if not found:

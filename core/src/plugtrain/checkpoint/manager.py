@@ -40,7 +40,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -67,6 +66,7 @@ from plugtrain.checkpoint.dcp_io import (
     to_tensors,
 )
 from plugtrain.checkpoint.faults import Fault
+from plugtrain.checkpoint.layout import CONFIG, checkpoint_folder, complete_checkpoints
 from plugtrain.checkpoint.rng import rng_state, set_rng_state
 from plugtrain.config import CheckpointConfig, fixed_on_resume
 from plugtrain.distributed import World
@@ -75,32 +75,10 @@ from plugtrain.host import PluginHost
 
 logger = logging.getLogger("plugtrain")
 
-CHECKPOINTS = "checkpoints"
-"""The folder of ``job.dump_folder`` that holds a run's checkpoints."""
-CONFIG = "config.json"
-"""The file of a checkpoint folder that holds the resolved config of the run that saved it."""
-_STEP_DIR = re.compile(r"step-(\d+)")
 _PARTIAL, _DELETING = ".partial", ".deleting"
 
 
 # --------------------------------------------------------------------------- the folder
-
-
-def checkpoint_folder(dump_folder: str | os.PathLike[str]) -> Path:
-    """Where the run writing to ``dump_folder`` keeps its checkpoints."""
-    return Path(dump_folder) / CHECKPOINTS
-
-
-def complete_checkpoints(folder: Path) -> dict[int, Path]:
-    """The complete checkpoints in ``folder`` by step, oldest first (none if it is missing)."""
-    if not folder.is_dir():
-        return {}
-    found = {
-        int(match[1]): path
-        for path in folder.iterdir()
-        if (match := _STEP_DIR.fullmatch(path.name)) and path.is_dir()
-    }
-    return dict(sorted(found.items()))
 
 
 def _delete(path: Path) -> None:
