@@ -20,6 +20,8 @@ from plugtrain import API_VERSION, PROJECT_NAME
 from plugtrain.errors import ConfigError, PluginError, check_field
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
     from torch.optim.lr_scheduler import LRScheduler
@@ -40,6 +42,7 @@ __all__ = [
     "StepContext",
     "ValidationContext",
     "check_field",
+    "export_hf",
     "full_tensor",
     "hookimpl",
     "local_tensor",
@@ -282,6 +285,32 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local part of ``t``: ``to_local()`` of a DTensor, ``t`` itself otherwise."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
+
+
+def export_hf(
+    checkpoint: Path,
+    out: Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    weights: str = "model",
+    max_shard_size: int = 5 * 10**9,
+    overwrite: bool = False,
+) -> None:
+    """Write complete checkpoint folder ``checkpoint`` as the Hugging Face Llama folder ``out``,
+    as ``plugtrain export-hf`` does (the same bytes): ``weights`` is ``"model"`` or ``"ema"``
+    (the ema plugin's average), every floating tensor is cast to ``dtype``, files above
+    ``max_shard_size`` bytes are split. Reads one tensor at a time in this process, with no
+    collective: call it on one rank. Bad input raises a one-line ``UserError``."""
+    from plugtrain.checkpoint import export_checkpoint
+
+    export_checkpoint(
+        checkpoint,
+        out,
+        dtype=dtype,
+        weights=weights,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+    )
 
 
 MetricValue = float | int | torch.Tensor
