@@ -223,6 +223,24 @@ def test_checkpoint_of_a_shape_the_format_cannot_express(run, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_missing_tokenizer_or_flavor_is_named(run, tmp_path, capsys):
+    copy = damaged_copy(run, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    moved = tmp_path / "elsewhere.json"
+    shutil.copy(SAMPLE / "tokenizer.json", moved)
+    config["model"]["tokenizer_path"] = "gone/tokenizer.json"
+    (copy / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    err = refused(["export-hf", str(copy), "-o", str(out)], capsys)
+    assert "tokenizer 'gone/tokenizer.json' of checkpoint" in err and "--tokenizer" in err
+    assert main(["export-hf", str(copy), "-o", str(out), "--tokenizer", str(moved)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == moved.read_bytes()
+    config["model"]["flavor"] = "70B"
+    (copy / "config.json").write_text(json.dumps(config))
+    err = refused(["export-hf", str(copy), "-o", str(tmp_path / "out2")], capsys)
+    assert f"checkpoint '{copy}' is of model flavor '70B', which this plugtrain does not" in err
+
+
 def test_existing_output_is_kept_unless_overwrite(run, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()

@@ -120,6 +120,7 @@ def export_hf(args: argparse.Namespace) -> int:
         weights=args.weights,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
+        tokenizer=args.tokenizer,
     )
     print(f"wrote {args.output}: the {args.weights} weights of {folder} in {args.dtype}")
     return 0
@@ -215,6 +216,9 @@ def command(argv: list[str]) -> int:
         "--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)"
     )
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    export.add_argument(
+        "--tokenizer", help="the run's tokenizer.json (default: the one its config names)"
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "estimate":
         if args.gpus < 1:

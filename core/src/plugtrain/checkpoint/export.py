@@ -109,15 +109,34 @@ def export_checkpoint(
     weights: str = "model",
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
+    tokenizer: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Write checkpoint ``path`` (see :func:`find_checkpoint`) as a Hugging Face folder ``out``,
-    reading one tensor at a time; returns the checkpoint folder exported."""
+    reading one tensor at a time; returns the checkpoint folder exported. ``tokenizer`` replaces
+    the tokenizer.json the run's config names (a relative path the run read from elsewhere)."""
     folder = find_checkpoint(path)
     metadata = read_metadata(folder)
     run_config = _run_config(folder)
-    tokenizer_path = Path(run_config["model"]["tokenizer_path"])
-    tokenizer = Tokenizer.from_file(tokenizer_path)
-    args = run_model_args(run_config, tokenizer.vocab_size)
+    try:
+        flavor = run_config["model"]["flavor"]
+        tokenizer_path = Path(tokenizer or run_config["model"]["tokenizer_path"])
+        if flavor not in FLAVORS:
+            raise CheckpointError(
+                f"checkpoint '{folder}' is of model flavor '{flavor}', which this plugtrain does "
+                f"not define (it has {', '.join(FLAVORS)}): export it with the plugtrain that "
+                "trained it"
+            )
+        if not tokenizer_path.is_file():
+            raise CheckpointError(
+                f"tokenizer '{tokenizer_path}' of checkpoint '{folder}' (its config's "
+                "model.tokenizer_path) is not found: pass --tokenizer with the run's tokenizer.json"
+            )
+        args = run_model_args(run_config, Tokenizer.from_file(tokenizer_path).vocab_size)
+    except KeyError as e:
+        raise CheckpointError(
+            f"checkpoint '{folder}' is damaged: its {CONFIG} has no {e}; export another "
+            "checkpoint of the run"
+        ) from e
     prefix = WEIGHTS[weights]
     stored = {
         key.removeprefix(prefix): md
@@ -127,7 +146,11 @@ def export_checkpoint(
     if not stored:
         raise CheckpointError(
             f"checkpoint '{folder}' holds no {weights} weights (no key '{prefix}*'): "
-            + ("train with the ema plugin, or export --weights model" if weights == "ema" else "")
+            + (
+                "train with the ema plugin, or export --weights model"
+                if weights == "ema"
+                else "export a checkpoint written by plugtrain"
+            )
         )
     shapes = parameter_shapes(args)
     for name, md in stored.items():
