@@ -193,3 +193,12 @@ def test_transforms(repo, tmp_path):
     for r in results["compile"]:
         assert r["backend"] == "aot_eager" and r["compile_seconds"] > 0
         assert r["max_loss_rel_diff"] < 1e-5
+
+
+@pytest.mark.slow
+def test_export(repo, tmp_path):
+    (tiny,) = quick_results(repo, "export", tmp_path)
+    assert tiny["flavor"] == "tiny" and tiny["parameters"] > 100_000
+    assert 0 < tiny["largest_tensor_mib"] < tiny["model_mib"]
+    for mode in ("stream", "hold"):
+        assert tiny[mode]["seconds"] > 0 and tiny[mode]["peak_rss_mib"] > 100
