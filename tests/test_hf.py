@@ -95,3 +95,27 @@ def test_to_hf_refuses_a_tensor_the_format_has_no_place_for(name):
         CheckpointError, match=r"tensor 'model\.layers\.0\.self_attn\.q_proj\.bias'"
     ):
         from_hf("model.layers.0.self_attn.q_proj.bias", torch.zeros(2), TINY)
+
+
+def test_a_transformers_model_read_with_from_hf_gives_its_logits():
+    """The import direction on its own: a random LlamaForCausalLM's weights, renamed and
+    permuted by from_hf, give plugtrain's model the same logits (and without the permutation
+    they do not)."""
+    config = transformers.LlamaConfig(
+        **hf_config(TINY, dtype=torch.float32, bos_token_id=0, eos_token_id=1)
+    )
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    args = model_args_from_hf(config.to_dict())
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len))
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+    errors = {}
+    for permute in (True, False):
+        ours = Transformer(args)
+        ours.init_weights(0)  # the RoPE table; every parameter is then loaded
+        state = dict(from_hf(k, v, args, permute=permute) for k, v in theirs.state_dict().items())
+        ours.load_state_dict(state)
+        with torch.no_grad():
+            errors[permute] = (ours(tokens) - expected).abs().max().item()
+    assert errors[True] < 1e-5 < errors[False]
