@@ -5,10 +5,11 @@ from plugtrain.exports import front_door
 __getattr__, __dir__, __all__ = front_door(
     __name__,
     {
-        "args": ["FLAVORS", "ModelArgs"],
+        "args": ["FLAVORS", "ModelArgs", "run_model_args"],
         "hf": ["hf_config", "parameter_shapes", "to_hf"],
         "memory": ["estimate_run"],
         "sharding": ["DTYPES", "build_model", "reshard"],
-        "transformer": ["Transformer"],
+        "decoding": ["TextTokenizer", "complete", "generate", "next_token"],
+        "transformer": ["KVCache", "Transformer"],
     },
 )

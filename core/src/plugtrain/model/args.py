@@ -7,7 +7,7 @@ it ``--help``, needs no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -181,3 +181,10 @@ FLAVORS: dict[str, ModelArgs] = {
         max_seq_len=8192,
     ),
 }
+
+
+def run_model_args(flavor: str, vocab_size: int, seq_len: int) -> ModelArgs:
+    """The shape a run trains: flavor ``flavor`` with the tokenizer's ``vocab_size``, its RoPE
+    table long enough for the run's ``seq_len``."""
+    args = FLAVORS[flavor]
+    return replace(args, vocab_size=vocab_size, max_seq_len=max(args.max_seq_len, seq_len))

@@ -27,6 +27,7 @@ from plugtrain.model.args import FLAVORS, ModelArgs
 
 __all__ = [
     "FLAVORS",
+    "KVCache",
     "ModelArgs",
     "Transformer",
     "TransformerBlock",
@@ -96,11 +97,52 @@ class RMSNorm(nn.Module):
         return normed * self.weight
 
 
+class KVCache:
+    """The keys and values of every layer, for inference: ``Transformer.forward(tokens, cache)``.
+
+    Holds each layer's keys and values after RoPE and before the grouped-query repeat,
+    ``[max_batch, n_kv_heads, max_seq_len, head_dim]``, allocated at the layer's first forward
+    in its activations' dtype and device. :attr:`length` positions are filled; a forward of
+    ``S`` tokens writes positions ``length .. length + S - 1`` and then advances it, so a
+    prefill of the prompt followed by one-token decode steps attends as one causal forward
+    over the whole sequence would.
+    """
+
+    def __init__(self, args: ModelArgs, max_batch: int, max_seq_len: int | None = None) -> None:
+        self.max_batch = max_batch
+        self.max_seq_len = args.max_seq_len if max_seq_len is None else max_seq_len
+        self.length = 0
+        """Positions filled so far: where the next forward's tokens go."""
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * args.n_layers
+
+    def store(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``layer_id``'s new keys and values ``[B, n_kv_heads, S, head_dim]`` at
+        :attr:`length`; return all of its keys and values so far, ``[B, n_kv_heads,
+        length + S, head_dim]``."""
+        batch, n_kv, seq, head_dim = k.shape
+        end = self.length + seq
+        if batch > self.max_batch or end > self.max_seq_len:
+            raise ValueError(
+                f"KVCache holds {self.max_batch} x {self.max_seq_len} positions; a forward of "
+                f"{batch} x {seq} tokens after {self.length} does not fit: make a larger cache"
+            )
+        if self.layers[layer_id] is None:
+            shape = (self.max_batch, n_kv, self.max_seq_len, head_dim)
+            self.layers[layer_id] = (k.new_empty(shape), v.new_empty(shape))
+        keys, values = self.layers[layer_id]
+        keys[:batch, :, self.length : end] = k
+        values[:batch, :, self.length : end] = v
+        return keys[:batch, :, :end], values[:batch, :, :end]
+
+
 class Attention(nn.Module):
     """Causal self-attention with RoPE and grouped-query attention, without biases."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
+        self.layer_id = layer_id
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
@@ -109,7 +151,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -119,14 +163,40 @@ class Attention(nn.Module):
         # SDPA wants [B, heads, S, head_dim]; enable_gqa lets each group of
         # n_heads // n_kv_heads query heads share one key/value head without materialising
         # repeated copies.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
+        if cache is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=self.n_kv_heads != self.n_heads,
+            )
+        else:
+            out = self._attend_cached(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache
+            )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _attend_cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """Attention of the new queries ``[B, heads, S, head_dim]`` (positions ``cache.length``
+        onwards) over the cached keys and values and the new ones."""
+        start, seq = cache.length, q.shape[2]
+        keys, values = cache.store(self.layer_id, k, v)
+        mask = None
+        if seq > 1 and start > 0:
+            # Query i sits at position start + i and sees keys 0 .. start + i; SDPA's
+            # is_causal would align the diagonal at the top left, as if start were 0.
+            mask = torch.ones(seq, start + seq, dtype=torch.bool, device=q.device).tril(start)
+        return F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=seq > 1 and start == 0,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -153,12 +223,14 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:
@@ -187,7 +259,9 @@ class Transformer(nn.Module):
     """Llama-style decoder: token embedding, ``n_layers`` blocks, final RMSNorm, output head.
 
     ``forward(tokens [B, S]) -> logits [B, S, vocab_size]`` in the activation dtype (the
-    parameter dtype, or FSDP2's ``param_dtype``); compute the loss in float32.
+    parameter dtype, or FSDP2's ``param_dtype``); compute the loss in float32. For inference,
+    ``forward(tokens, cache)`` with a :class:`KVCache` takes ``tokens`` as the positions after
+    those the cache holds, and appends theirs (call it under ``torch.no_grad``).
 
     Build on any device (including meta) and then call ``init_weights(seed)``; the constructor's
     own initialisation is PyTorch's default and is not meant to be trained from.
@@ -210,11 +284,12 @@ class Transformer(nn.Module):
             persistent=False,
         )
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        start = 0 if cache is None else cache.length
         seq_len = tokens.shape[1]
-        if seq_len > self.args.max_seq_len:
+        if start + seq_len > self.args.max_seq_len:
             raise ValueError(
-                f"sequence length {seq_len} exceeds the model's max_seq_len "
+                f"sequence length {start + seq_len} exceeds the model's max_seq_len "
                 f"{self.args.max_seq_len}; shorten the sequences or raise ModelArgs.max_seq_len"
             )
         if not self.freqs_cis.is_complex():
@@ -223,10 +298,15 @@ class Transformer(nn.Module):
                 "casts complex buffers to real); call init_weights again or use FSDP2's "
                 "MixedPrecisionPolicy instead of Module.to(dtype)"
             )
-        freqs_cis = self.freqs_cis[:seq_len]
+        freqs_cis = self.freqs_cis[start : start + seq_len]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, freqs_cis)
+        if cache is None:
+            for layer in self.layers:
+                h = layer(h, freqs_cis)
+        else:
+            for layer in self.layers:
+                h = layer(h, freqs_cis, cache)
+            cache.length += seq_len
         return self.output(self.norm(h))
 
     def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:

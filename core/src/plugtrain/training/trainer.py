@@ -10,7 +10,6 @@ and from this package's ``optim`` (optimizer, LR schedule), ``vetoes``, ``loss_t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from collections.abc import Sequence
@@ -36,7 +35,14 @@ from plugtrain.data import (
 )
 from plugtrain.distributed import World, all_reduce_mean, init_world
 from plugtrain.host import PluginHost
-from plugtrain.model import DTYPES, FLAVORS, Transformer, build_model, estimate_run, reshard
+from plugtrain.model import (
+    DTYPES,
+    Transformer,
+    build_model,
+    estimate_run,
+    reshard,
+    run_model_args,
+)
 from plugtrain.observability import (
     HookTracer,
     MetricsLogger,
@@ -124,10 +130,8 @@ class Trainer:
         self.batches = SkippingLoader(
             DevicePrefetcher(loader, self.device), self.control.skip_ranges
         )
-        self.model_args = dataclasses.replace(
-            FLAVORS[config.model.flavor],
-            vocab_size=self.tokenizer.vocab_size,
-            max_seq_len=max(FLAVORS[config.model.flavor].max_seq_len, train_cfg.seq_len),
+        self.model_args = run_model_args(
+            config.model.flavor, self.tokenizer.vocab_size, train_cfg.seq_len
         )
         self.model = build_model(
             self.model_args,

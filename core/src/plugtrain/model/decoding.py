@@ -1,0 +1,96 @@
+"""Text generation with the transformer: greedy or sampled decoding over a KV cache.
+
+The one decoding loop of plugtrain: ``plugtrain generate`` calls it on a model loaded from a
+checkpoint, and plugins reach it through :mod:`plugtrain.plugin` (the ``samples`` plugin
+calls it on the model being trained, FSDP2-sharded or not).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plugtrain.errors import UserError
+from plugtrain.model.transformer import KVCache
+
+__all__ = ["generate", "next_token"]
+
+
+def next_token(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """The next token of each row of ``logits`` ``[B, vocab]``: ``[B]`` int64.
+
+    ``temperature`` 0 is greedy (the argmax). Otherwise the logits are divided by it, cut to
+    the ``top_k`` most likely tokens (0: all), then to the smallest set whose probability
+    reaches ``top_p`` (1: all), and one token is drawn from ``generator``.
+    """
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the more likely ones already reach top_p: the first always stays.
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokens: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
+    """The tokens ``model`` writes after the prompts ``tokens`` ``[B, S]``: ``[B, n]`` int64.
+
+    Decodes up to ``max_new_tokens`` tokens with :func:`next_token` (greedy by default); stops
+    early once every row has written ``eos_id``, and pads a row that wrote it before the others
+    with it. ``use_cache`` False recomputes the whole sequence at each step (the reference the
+    KV cache is checked against). ``model`` is a :class:`~plugtrain.model.transformer.Transformer`,
+    FSDP2-sharded or not: under FSDP2 every rank must call this with the same arguments (and
+    generator state), so that all join the same forwards.
+    """
+    batch, prompt_len = tokens.shape
+    max_seq_len = model.args.max_seq_len
+    if prompt_len < 1 or prompt_len + max_new_tokens > max_seq_len:
+        raise UserError(
+            f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens does not fit the "
+            f"model's max_seq_len {max_seq_len}: give a prompt of 1 to {max_seq_len - 1} tokens "
+            "and fewer new tokens"
+        )
+    cache = KVCache(model.args, batch, prompt_len + max_new_tokens) if use_cache else None
+    sequence, step_input = tokens, tokens
+    done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
+    new: list[torch.Tensor] = []
+    for _ in range(max_new_tokens):
+        logits = model(step_input, cache) if cache is not None else model(sequence)
+        token = next_token(
+            logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
+        if eos_id is not None:
+            token = token.masked_fill(done, eos_id)
+            done |= token == eos_id
+        new.append(token)
+        step_input = token[:, None]
+        sequence = torch.cat([sequence, step_input], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    return torch.stack(new, dim=1) if new else tokens.new_empty(batch, 0)
