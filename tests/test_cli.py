@@ -33,6 +33,7 @@ def test_help_keeps_each_command_on_its_own_line(capsys):
         ["plugtrain", "prepare-data"],
         ["plugtrain", "estimate"],
         ["plugtrain", "export-hf"],
+        ["plugtrain", "generate"],
     ]
 
 

@@ -6,6 +6,7 @@
   plugtrain prepare-data INPUT [INPUT ...] -o OUT --tokenizer FILE  # tokenize a corpus once
   plugtrain estimate CONFIG [--gpus N] [--section.key VALUE ...]  # memory each GPU needs
   plugtrain export-hf PATH -o OUT [--dtype bfloat16] [--weights model|ema]  # Hugging Face folder
+  plugtrain generate PATH --prompt TEXT                        # what a saved model writes
 
 With no arguments, plugtrain train trains the debug model on the Shakespeare sample shipped
 with plugtrain; --config debug names the shipped configs/debug.toml.
@@ -126,6 +127,35 @@ def export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def generate(args: argparse.Namespace) -> int:
+    """Run ``plugtrain generate`` (its module, and the checkpoint reader, load only here)."""
+    from plugtrain.generate import run
+
+    return run(args)
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="print what a saved model writes after a prompt",
+        description="Load the model of a run's dump folder (its latest checkpoint) or of a "
+        "checkpoints/step-N folder and print the text it writes after --prompt, up to its "
+        "end-of-text token. Greedy by default; --temperature > 0 samples.",
+    )
+    gen.add_argument("path", metavar="PATH", help="a run's dump folder or a step-N folder")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=100, help="at most this many tokens")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling generator")
+    gen.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if any)")
+    gen.add_argument(
+        "--weights", choices=("model", "ema"), default="model", help="ema: the ema plugin's average"
+    )
+    gen.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the run's)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the plugtrain command line ``argv`` (default: this process's) and return its exit
     status."""
@@ -219,6 +249,7 @@ def command(argv: list[str]) -> int:
     export.add_argument(
         "--tokenizer", help="the run's tokenizer.json (default: the one its config names)"
     )
+    add_generate_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command == "estimate":
         if args.gpus < 1:
@@ -232,6 +263,10 @@ def command(argv: list[str]) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return run_cli(lambda: prepare_data(args))
+    if args.command == "generate":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return run_cli(lambda: generate(args))
     if args.command == "plot":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

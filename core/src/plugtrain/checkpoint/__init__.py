@@ -5,7 +5,9 @@ from plugtrain.exports import front_door
 __getattr__, __dir__, __all__ = front_door(
     __name__,
     {
+        "dcp_io": ["read_checkpoint", "read_metadata"],
         "export": ["export_checkpoint", "parse_size"],
+        "layout": ["CONFIG", "checkpoint_folder", "complete_checkpoints"],
         "manager": ["CheckpointManager"],
         "rng": ["seed_generators"],
     },

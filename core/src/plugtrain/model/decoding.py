@@ -7,13 +7,16 @@ calls it on the model being trained, FSDP2-sharded or not).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 from torch import nn
 
 from plugtrain.errors import UserError
 from plugtrain.model.transformer import KVCache
 
-__all__ = ["generate", "next_token"]
+__all__ = ["TextTokenizer", "complete", "generate", "next_token"]
 
 
 def next_token(
@@ -94,3 +97,54 @@ def generate(
         if eos_id is not None and bool(done.all()):
             break
     return torch.stack(new, dim=1) if new else tokens.new_empty(batch, 0)
+
+
+class TextTokenizer(Protocol):
+    """What :func:`complete` needs of a tokenizer (:class:`plugtrain.data.tokenizer.Tokenizer`)."""
+
+    @property
+    def bos_id(self) -> int | None: ...
+    @property
+    def eos_id(self) -> int: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def complete(
+    model: nn.Module,
+    tokenizer: TextTokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+) -> str:
+    """The text ``model`` writes after ``prompt``, up to its end-of-text token (excluded).
+
+    The prompt is laid out as training documents are, after ``bos_id`` when the tokenizer has
+    one. Sampling (``temperature`` > 0) draws from a generator seeded with ``seed`` on the
+    model's device (None: the global one); see :func:`generate` for the rest.
+    """
+    device = next(model.parameters()).device
+    ids = ([] if tokenizer.bos_id is None else [tokenizer.bos_id]) + tokenizer.encode(prompt)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    new = generate(
+        model,
+        torch.tensor([ids], device=device),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=generator,
+        eos_id=tokenizer.eos_id,
+    )[0].tolist()
+    if tokenizer.eos_id in new:
+        new = new[: new.index(tokenizer.eos_id)]
+    # Decoded with the prompt, so that a character whose bytes straddle the boundary, or a
+    # leading space a decoder strips at the start, come out as they would in the whole text.
+    head, whole = tokenizer.decode(ids), tokenizer.decode(ids + new)
+    return whole[len(head) :] if whole.startswith(head) else tokenizer.decode(new)

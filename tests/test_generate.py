@@ -1,0 +1,158 @@
+"""Tests of ``plugtrain generate`` (plugtrain.generate): loading a checkpoint for inference,
+greedy and sampled completions against a cache-free reference, and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from plugtrain.checkpoint.dcp_io import read_checkpoint
+from plugtrain.cli import main
+from plugtrain.errors import CheckpointError
+from plugtrain.generate import from_checkpoint, load
+from plugtrain.testing import tiny_run
+
+PROMPT = "ROMEO:"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny run with the ema plugin, checkpointed at steps 3 and 6."""
+    folder = tmp_path_factory.mktemp("generate") / "run"
+    tiny_run(
+        folder, "--checkpoint.enable", "true", "--checkpoint.interval", "3",
+        "--plugins.enabled", "ema", "--optimizer.lr", "0.01", steps=6,
+    )  # fmt: skip
+    return folder
+
+
+def generate_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_dump_folder_loads_its_latest_checkpoint_and_ema_its_average(run: Path) -> None:
+    step6 = run / "checkpoints" / "step-6"
+    _, latest, _ = from_checkpoint(run)
+    saved = read_checkpoint(step6, "model.")
+    assert latest.keys() == {k.removeprefix("model.") for k in saved}
+    assert all(torch.equal(latest[k.removeprefix("model.")], t) for k, t in saved.items())
+    _, step3, _ = from_checkpoint(run / "checkpoints" / "step-3")
+    _, ema, _ = from_checkpoint(step6, weights="ema")
+    name = "layers.0.attention.wq.weight"
+    assert not torch.equal(step3[name], latest[name])
+    assert torch.equal(
+        ema[name], read_checkpoint(step6, "plugins.ema.")[f"plugins.ema.average.{name}"]
+    )
+    assert not torch.equal(ema[name], latest[name])
+
+
+def reference_greedy(path: Path, prompt: str, max_new_tokens: int) -> str:
+    """Greedy decoding written out: argmax of the full forward (no cache) until end of text."""
+    model, tokenizer = load(path)
+    ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(torch.tensor([ids + new]))[0, -1].argmax())
+            if token == tokenizer.eos_id:
+                break
+            new.append(token)
+    return tokenizer.decode(ids + new)[len(tokenizer.decode(ids)) :]
+
+
+def test_greedy_generation_equals_the_cache_free_loop_and_is_deterministic(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = generate_cli(capsys, str(run), "--prompt", PROMPT, "--max-new-tokens", "30")
+    assert (code, err) == (0, "")
+    assert out == reference_greedy(run, PROMPT, 30) + "\n"
+    assert len(out) > 30  # 30 tokens of text, not an early end
+    assert generate_cli(capsys, str(run), "--prompt", PROMPT, "--max-new-tokens", "30")[1] == out
+
+
+def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(
+    run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def sample(*options: str) -> str:
+        code, out, _ = generate_cli(
+            capsys, str(run), "--prompt", PROMPT, "--max-new-tokens", "20", "--temperature",
+            "0.8", "--device", "cpu", *options,
+        )  # fmt: skip
+        assert code == 0
+        return out
+
+    assert sample("--seed", "1") == sample("--seed", "1")
+    assert sample("--seed", "1") != sample("--seed", "2")
+    greedy = generate_cli(capsys, str(run), "--prompt", PROMPT, "--max-new-tokens", "20")[1]
+    assert sample("--seed", "3", "--top-k", "1") == greedy
+    assert sample("--seed", "3", "--top-p", "0.9") != greedy
+
+
+def damage(run: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of the run's step-6 checkpoint, damaged as ``how`` says."""
+    step = tmp_path / "step-6"
+    shutil.copytree(run / "checkpoints" / "step-6", step)
+    if how == "metadata":
+        (step / ".metadata").write_bytes(b"not a pickle")
+    elif how == "shard":
+        shard = next(step.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:1000])
+    elif how == "config":
+        (step / "config.json").unlink()
+    elif how == "tokenizer":
+        config = json.loads((step / "config.json").read_text())
+        config["model"]["tokenizer_path"] = str(tmp_path / "gone.json")
+        (step / "config.json").write_text(json.dumps(config))
+    elif how == "no-ema":  # the model's tensors alone, as a run without the ema plugin saves
+        tensors = read_checkpoint(step, "model.")
+        shutil.rmtree(step)
+        with warnings.catch_warnings():  # that it saves in one process, as asked
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(step), no_dist=True)
+        shutil.copy(run / "checkpoints" / "step-6" / "config.json", step)
+    elif how == "shape":
+        config = json.loads((step / "config.json").read_text())
+        config["model"]["flavor"] = "debug"
+        (step / "config.json").write_text(json.dumps(config))
+    return step
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("missing", r"does not exist: give a run's dump folder or a step-N folder"),
+        ("empty", r"holds no checkpoint: give a run's dump folder \(trained with "),
+        ("metadata", r"step-6 is damaged: cannot read its \.metadata"),
+        ("shard", r"step-6 is damaged: .*; use another step-N folder"),
+        ("config", r"step-6 is damaged: cannot read its config\.json"),
+        ("tokenizer", r"gone\.json', which does not exist here: pass --tokenizer FILE"),
+        ("shape", r"does not fit the model it names: parameter '.*' has shape \[\d+, 32\] there"),
+        ("no-ema", r"holds no 'ema' weights .*: train with the ema plugin enabled"),
+        ("top-p", r"--top-p must be in \(0, 1\], got 0\.0"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, message: str
+) -> None:
+    path = {"missing": tmp_path / "nowhere", "empty": tmp_path}.get(how) or damage(
+        run, tmp_path, how
+    )
+    extra = {"no-ema": ["--weights", "ema"], "top-p": ["--top-p", "0"]}.get(how, [])
+    code, out, err = generate_cli(capsys, str(path), "--prompt", PROMPT, *extra)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("plugtrain: error: ")
+    assert re.search(message, err), err
+
+
+def test_load_raises_the_user_error_itself(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        load(tmp_path)
