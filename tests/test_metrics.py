@@ -19,7 +19,12 @@ from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import ConfigError
 from plugtrain.model.transformer import FLAVORS
 from plugtrain.observability import logs, timing
-from plugtrain.observability.metrics import CONSOLE_SHORT_FORMS, format_line, use_color
+from plugtrain.observability.metrics import (
+    CONSOLE_SHORT_FORMS,
+    TensorBoardSink,
+    format_line,
+    use_color,
+)
 from plugtrain.observability.timing import StepTimer, peak_tflops, throughput
 from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
 from plugtrain.training.launch import configure
@@ -392,3 +397,17 @@ def test_a_new_run_moves_an_earlier_runs_metrics_aside(tmp_path, train_py):
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     moved = (tmp_path / "metrics.1.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in moved] == [1, 2]
+
+
+def test_text_goes_to_tensorboard_as_text(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    record = {"step": 3, "validation_loss": 4.5, "samples/0": "ROMEO: what light"}
+    sink = TensorBoardSink(tmp_path)
+    sink.write(record)
+    sink.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["validation_loss"]
+    (text,) = events.Tensors("samples/0/text_summary")
+    assert (text.step, text.tensor_proto.string_val) == (3, [b"ROMEO: what light"])

@@ -18,6 +18,7 @@ from torch import nn
 
 from plugtrain import API_VERSION, PROJECT_NAME
 from plugtrain.errors import ConfigError, PluginError, check_field
+from plugtrain.model import TextTokenizer, complete
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -40,8 +41,10 @@ __all__ = [
     "SetupContext",
     "SkipRange",
     "StepContext",
+    "TextTokenizer",
     "ValidationContext",
     "check_field",
+    "complete",
     "export_hf",
     "full_tensor",
     "hookimpl",
@@ -151,6 +154,9 @@ class SetupContext:
     console: dict[str, bool] = field(default_factory=dict, repr=False)
     """The plugin metrics the console line shows, by full key, as :meth:`show_on_console`
     declared them (the trainer reads it)."""
+    tokenizer: TextTokenizer | None = None
+    """The run's tokenizer (``encode``, ``decode``, ``bos_id``, ``eos_id``): what a plugin that
+    writes text with :func:`complete` encodes its prompts with. None in unit-test contexts."""
 
     def plugin_config(self, plugin: object) -> Any:
         """Return ``plugin``'s validated config section (its config dataclass)."""
@@ -273,6 +279,10 @@ class ValidationContext:
     plugin offered in ``validation_weights`` (that plugin swaps its weights in)."""
     loss: float | None = None
     """In ``post_validation``: the pass's mean loss, over the validation batches and ranks."""
+    metrics: dict[str, float | str] = field(default_factory=dict)
+    """Values a plugin adds to this pass's record in ``metrics.jsonl`` (numbers or text), keyed
+    ``<plugin name>/<key>`` (``samples/0``): set them in either hook, on every rank (rank 0
+    writes them). Text goes to TensorBoard as text."""
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

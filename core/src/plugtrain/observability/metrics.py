@@ -34,15 +34,17 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (
 ================================  ============================================================
 
 Throughput and times are means over the steps since the previous logged step. Validation writes
-records of their own: ``{"step": 50, "validation_loss": 4.75, "ema/validation_loss": 4.81}``.
-A run resumed from a checkpoint first cuts the file back to the checkpoint's step, so that its
-records continue it as if the run had never stopped. A run without checkpoints started again
-in the same folder appends from step 1, so a step may appear twice; readers keep the last
+records of their own: ``{"step": 50, "validation_loss": 4.75, "ema/validation_loss": 4.81}``,
+plus what plugins add (``ValidationContext.metrics``), which may be text (``"samples/0": "ROMEO:
+..."``). A run resumed from a checkpoint first cuts the file back to the checkpoint's step, so
+that its records continue it as if the run had never stopped. A run without checkpoints started
+again in the same folder appends from step 1, so a step may appear twice; readers keep the last
 record of a step (``plugtrain plot`` does).
 
 Sinks: the JSONL file (always), TensorBoard (``[metrics] enable_tensorboard``, event files in
 ``<dump_folder>/tensorboard``) and Weights & Biases (``[metrics] enable_wandb``; set
-``WANDB_MODE=offline`` to log without network). Each takes every key of every record.
+``WANDB_MODE=offline`` to log without network). Each takes every key of every record: numbers
+as scalars, text as TensorBoard text (W&B keeps a string as it is).
 
 At start-up rank 0 also writes ``config.json`` (the resolved config, after overrides: what the
 run uses) and ``run.json`` (plugins and their versions, torch, world size, device, the checkpoint
@@ -183,7 +185,7 @@ def format_line(
 
 
 class TensorBoardSink:
-    """Scalars into TensorBoard event files under ``folder``, one tag per record key."""
+    """Scalars and text into TensorBoard event files under ``folder``, one tag per record key."""
 
     def __init__(self, folder: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -192,7 +194,9 @@ class TensorBoardSink:
 
     def write(self, record: Mapping[str, Any]) -> None:
         for key, value in record.items():
-            if key != "step":
+            if isinstance(value, str):
+                self.writer.add_text(key, value, record["step"])
+            elif key != "step":
                 self.writer.add_scalar(key, value, record["step"])
 
     def close(self) -> None:
@@ -286,7 +290,7 @@ class MetricsLogger:
         self._file = self.path.open("a")
 
     def log(self, record: Mapping[str, Any]) -> None:
-        """Record one step's metrics; ``record`` holds ``step`` and plain numbers."""
+        """Record one step's metrics; ``record`` holds ``step``, plain numbers and text."""
         if not self.enabled:
             return
         assert self._file is not None, "MetricsLogger.start() opens the file"

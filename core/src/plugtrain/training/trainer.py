@@ -272,6 +272,7 @@ class Trainer:
             world_size=self.world.world_size,
             name_of=self.host.name_of,
             control=self.control,
+            tokenizer=self.tokenizer,
         )
         self.host.setup(ctx)
         self.metrics.shown = ctx.console
@@ -435,12 +436,13 @@ class Trainer:
             record.update(self.train_data.shares())
         self.metrics.log(record)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> dict[str, float | str]:
         """The validation losses: ``validation_loss`` on the model's weights, then
         ``<name>/validation_loss`` for each weight set a plugin offers (``validation_weights``),
-        each pass between ``pre_validation`` and ``post_validation``."""
+        each pass between ``pre_validation`` and ``post_validation``; and the values plugins
+        add (``ValidationContext.metrics``)."""
         offered = self.host.results("validation_weights").values()
-        losses = {}
+        losses: dict[str, float | str] = {}
         for weights in [None, *(name for names in offered for name in names)]:
             ctx = ValidationContext(self.step, weights)
             self.hook.pre_validation(ctx=ctx)
@@ -448,6 +450,7 @@ class Trainer:
             self.hook.post_validation(ctx=ctx)
             key = "validation_loss" if weights is None else f"{weights}/validation_loss"
             losses[key] = ctx.loss
+            losses.update(ctx.metrics)
         return losses
 
     @torch.no_grad()
