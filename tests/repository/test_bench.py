@@ -202,3 +202,13 @@ def test_export(repo, tmp_path):
     assert 0 < tiny["largest_tensor_mib"] < tiny["model_mib"]
     for mode in ("stream", "hold"):
         assert tiny[mode]["seconds"] > 0 and tiny[mode]["peak_rss_mib"] > 100
+
+
+@pytest.mark.slow
+def test_generate(repo, tmp_path):
+    results = quick_results(repo, "generate", tmp_path)
+    assert results["same_tokens"] is True
+    flops = results["flops"]
+    # The KV cache's arithmetic is one forward's: every new token's matmuls once.
+    assert flops["cached"] == pytest.approx(flops["one_forward"], rel=0.05)
+    assert flops["uncached"] > 5 * flops["cached"]
