@@ -121,3 +121,15 @@ def test_top_k_and_top_p_sample_only_from_the_kept_tokens() -> None:
 def test_a_prompt_too_long_for_the_model_is_refused() -> None:
     with pytest.raises(UserError, match=r"40 tokens plus 10 new tokens .* max_seq_len 48"):
         generate(make_model(), tokens(1, 40), 10)
+
+
+def test_generation_runs_compiled_blocks_eagerly() -> None:
+    """Blocks compiled as the compile plugin compiles them (static shapes, fullgraph) would
+    recompile at each cache length, and fail at dynamo's recompile limit: decoding runs them
+    eagerly."""
+    model, reference = make_model(), make_model()
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, backend="eager", fullgraph=True, dynamic=False)
+    model(tokens(batch=2, seq=16)).sum().backward()  # a training step's forward compiles them
+    prompt = tokens(batch=1, seq=4)
+    assert torch.equal(generate(model, prompt, 20), generate(reference, prompt, 20))

@@ -83,19 +83,23 @@ def generate(
     sequence, step_input = tokens, tokens
     done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     new: list[torch.Tensor] = []
-    for _ in range(max_new_tokens):
-        logits = model(step_input, cache) if cache is not None else model(sequence)
-        token = next_token(
-            logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-        )
-        if eos_id is not None:
-            token = token.masked_fill(done, eos_id)
-            done |= token == eos_id
-        new.append(token)
-        step_input = token[:, None]
-        sequence = torch.cat([sequence, step_input], dim=1)
-        if eos_id is not None and bool(done.all()):
-            break
+    # Blocks compiled for training (the compile plugin) run eagerly here: each cache length
+    # and sequence length would be a new graph, a recompile every step.
+    with torch.compiler.set_stance("force_eager"):
+        for _ in range(max_new_tokens):
+            logits = model(step_input, cache) if cache is not None else model(sequence)
+            token = next_token(
+                logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p,
+                generator=generator,
+            )  # fmt: skip
+            if eos_id is not None:
+                token = token.masked_fill(done, eos_id)
+                done |= token == eos_id
+            new.append(token)
+            step_input = token[:, None]
+            sequence = torch.cat([sequence, step_input], dim=1)
+            if eos_id is not None and bool(done.all()):
+                break
     return torch.stack(new, dim=1) if new else tokens.new_empty(batch, 0)
 
 
