@@ -79,6 +79,19 @@ def test_greedy_generation_equals_the_cache_free_loop_and_is_deterministic(
     assert generate_cli(capsys, str(run), "--prompt", PROMPT, "--max-new-tokens", "30")[1] == out
 
 
+def test_a_run_on_the_shipped_sample_finds_its_tokenizer(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sample:tokenizer.json``, the default model.tokenizer_path, names the sample's file."""
+    step = tmp_path / "step-6"
+    shutil.copytree(run / "checkpoints" / "step-6", step)
+    config = json.loads((step / "config.json").read_text())
+    config["model"]["tokenizer_path"] = "sample:tokenizer.json"
+    (step / "config.json").write_text(json.dumps(config))
+    args = ("--prompt", PROMPT, "--max-new-tokens", "8")
+    assert generate_cli(capsys, str(step), *args) == generate_cli(capsys, str(run), *args)
+
+
 def test_sampling_is_reproducible_with_a_seed_and_top_k_1_is_greedy(
     run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -153,7 +153,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--weights", choices=("model", "ema"), default="model", help="ema: the ema plugin's average"
     )
-    gen.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: the run's)")
+    gen.add_argument(
+        "--tokenizer", default=None, help="a tokenizer.json, or sample:NAME (default: the run's)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from plugtrain import sample
 from plugtrain.checkpoint import (
     CONFIG,
     checkpoint_folder,
@@ -87,12 +88,12 @@ def _model_args(
             f"checkpoint {checkpoint} was trained with model.flavor '{flavor}', which this "
             f"version of plugtrain does not have ({', '.join(FLAVORS)})"
         )
-    if not Path(tokenizer_path).is_file():
+    if not sample.resolve(tokenizer_path).is_file():
         raise CheckpointError(
             f"checkpoint {checkpoint} was trained with tokenizer '{tokenizer_path}', which does "
             "not exist here: pass --tokenizer FILE"
         )
-    tokenizer = Tokenizer.from_file(tokenizer_path)
+    tokenizer = Tokenizer.from_file(sample.resolve(tokenizer_path))
     return run_model_args(flavor, tokenizer.vocab_size, seq_len), tokenizer
 
 
