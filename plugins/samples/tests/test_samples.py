@@ -37,6 +37,14 @@ def test_a_bad_setting_is_a_one_line_config_error(option: str, value: str, messa
         setup_context({}, "--plugins.enabled", NAME, f"--samples.{option}", value)
 
 
+def test_without_validation_it_deactivates_itself_and_says_why(tmp_path: Path) -> None:
+    run = tiny_run(tmp_path / "run", "--plugins.enabled", NAME, steps=1)
+    plugins = json.loads((run.dump_folder / "run.json").read_text())["plugins"]
+    assert plugins[NAME]["inactive"] == (
+        "validation.interval is 0: no validation to write samples at"
+    )
+
+
 def samples_of(records: list[dict]) -> dict[int, list[str]]:
     """The texts each record holds, by step: ``samples/0``, ``samples/1``, ... in order."""
     return {

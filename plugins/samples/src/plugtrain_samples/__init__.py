@@ -67,6 +67,11 @@ class Samples:
         self.config = ctx.plugin_config(self)
         self.name, self.rank = ctx.name_of(self), ctx.rank
         self.model, self.tokenizer = ctx.model, ctx.tokenizer
+        if not ctx.config.validation.interval:
+            reason = "validation.interval is 0: no validation to write samples at"
+            if self.rank == 0:
+                logger.warning("%s: %s", self.name, reason)
+            ctx.deactivate(self, reason)
 
     @hookimpl
     def pre_validation(self, ctx: ValidationContext) -> None:
