@@ -42,7 +42,8 @@ EXPORT = """
 import json, sys, time
 import torch
 from plugtrain.checkpoint.dcp_io import read_checkpoint
-from plugtrain.checkpoint.export import export_checkpoint, run_model_args
+from plugtrain.checkpoint.export import export_checkpoint
+from plugtrain.model.args import run_model_args
 from plugtrain.model.hf import to_hf
 from plugtrain.model.transformer import FLAVORS, ModelArgs
 import safetensors.torch
@@ -55,7 +56,8 @@ elif mode == "hold":
     import pathlib
     config = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())
     state = read_checkpoint(checkpoint, "model.")
-    args = run_model_args(config, state["model.tok_embeddings.weight"].shape[0])
+    vocab_size = state["model.tok_embeddings.weight"].shape[0]
+    args = run_model_args(config["model"]["flavor"], vocab_size, config["training"]["seq_len"])
     converted = dict(to_hf(k.removeprefix("model."), v, args) for k, v in state.items())
     pathlib.Path(out).mkdir()
     safetensors.torch.save_file(

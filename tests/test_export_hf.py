@@ -15,12 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 from plugtrain.checkpoint import export
 from plugtrain.checkpoint.dcp_io import read_checkpoint
-from plugtrain.checkpoint.export import (
-    export_checkpoint,
-    find_checkpoint,
-    parse_size,
-    run_model_args,
-)
+from plugtrain.checkpoint.export import export_checkpoint, parse_size
+from plugtrain.checkpoint.saved import find_checkpoint, open_checkpoint
 from plugtrain.cli import main
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.model.hf import to_hf
@@ -52,9 +48,7 @@ def fp32(run) -> Path:
 
 def plugtrain_model(checkpoint: Path) -> Transformer:
     """The checkpoint's model in plugtrain, fp32, on the CPU."""
-    run_config = json.loads((checkpoint / "config.json").read_text())
-    args = run_model_args(run_config, Tokenizer.from_file(SAMPLE / "tokenizer.json").vocab_size)
-    model = Transformer(args)
+    model = Transformer(open_checkpoint(checkpoint).args)
     model.init_weights(0)  # builds the RoPE table; every parameter is then loaded
     state = read_checkpoint(checkpoint, "model.")
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items()})

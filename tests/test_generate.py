@@ -17,6 +17,7 @@ from plugtrain.checkpoint.dcp_io import read_checkpoint
 from plugtrain.cli import main
 from plugtrain.errors import CheckpointError
 from plugtrain.generate import from_checkpoint, load
+from plugtrain.model.decoding import generate
 from plugtrain.testing import tiny_run
 
 PROMPT = "ROMEO:"
@@ -142,12 +143,12 @@ def damage(run: Path, tmp_path: Path, how: str) -> Path:
 @pytest.mark.parametrize(
     ("how", "message"),
     [
-        ("missing", r"does not exist: give a run's dump folder or a step-N folder"),
-        ("empty", r"holds no checkpoint: give a run's dump folder \(trained with "),
+        ("missing", r"nowhere' does not exist: give a run's dump folder or a step-N folder"),
+        ("empty", r"no checkpoint at '.*': give a run's dump folder \(job.dump_folder, trained"),
         ("metadata", r"step-6 is damaged: cannot read its \.metadata"),
-        ("shard", r"step-6 is damaged: .*; use another step-N folder"),
-        ("config", r"step-6 is damaged: cannot read its config\.json"),
-        ("tokenizer", r"gone\.json', which does not exist here: pass --tokenizer FILE"),
+        ("shard", r"step-6' is damaged: .*; use another step-N folder"),
+        ("config", r"step-6' is damaged: its config\.json cannot be read"),
+        ("tokenizer", r"gone\.json' of checkpoint .* is not found: pass --tokenizer with"),
         ("shape", r"does not fit the model it names: parameter '.*' has shape \[\d+, 32\] there"),
         ("no-ema", r"holds no 'ema' weights .*: train with the ema plugin enabled"),
         ("top-p", r"--top-p must be in \(0, 1\], got 0\.0"),
@@ -167,5 +168,37 @@ def test_bad_input_is_one_line_and_exit_2(
 
 
 def test_load_raises_the_user_error_itself(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
         load(tmp_path)
+
+
+def test_an_exported_folder_writes_what_its_checkpoint_and_transformers_write(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``plugtrain generate`` on the export of a checkpoint writes what it writes on the
+    checkpoint, and ``transformers``' greedy ``generate`` on that folder the same 40 tokens."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "hf"
+    assert main(["export-hf", str(run), "-o", str(folder), "--dtype", "float32"]) == 0
+    capsys.readouterr()
+    options = ("--prompt", PROMPT, "--max-new-tokens", "40", "--device", "cpu")
+    on_checkpoint = generate_cli(capsys, str(run), *options)
+    assert on_checkpoint[0] == 0
+    assert generate_cli(capsys, str(folder), *options) == on_checkpoint
+
+    model, tokenizer = load(folder)
+    prompt = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(PROMPT)]])
+    ours = generate(model, prompt, 40)
+    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    theirs = hf.generate(
+        prompt, do_sample=False, max_new_tokens=40, min_new_tokens=40, eos_token_id=None
+    )[:, prompt.shape[1] :]
+    assert ours.shape == (1, 40)
+    assert ours.tolist() == theirs.tolist()
+
+    capsys.readouterr()  # transformers' loading bar
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    code, out, err = generate_cli(capsys, str(folder), *options)
+    assert (code, out, err.count("\n")) == (2, "", 1), err
+    assert "'attention_bias'" in err, err

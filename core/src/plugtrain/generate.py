@@ -7,6 +7,9 @@ dict keyed by the model's own parameter names (``layers.0.attention.wq.weight``)
   ``step-N/`` folder. Only the model's tensors are read from DCP (or, with ``weights="ema"``,
   the ema plugin's average of them, by key, without importing the plugin); the shape is the
   run config's flavor with the tokenizer's vocabulary, as the trainer builds it.
+* :func:`from_hf_folder`: a Hugging Face Llama folder (``plugtrain export-hf``'s, or any whose
+  ``config.json`` plugtrain's model can express): its safetensors files, with the q/k rows put
+  back into plugtrain's RoPE layout, and its ``tokenizer.json``.
 
 :func:`load` picks the loader for a path and builds the model on a device. The decoding itself
 is :func:`plugtrain.model.decoding.complete`, shared with plugins.
@@ -18,83 +21,22 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from plugtrain import sample
-from plugtrain.checkpoint import (
-    CONFIG,
-    checkpoint_folder,
-    complete_checkpoints,
-    read_checkpoint,
-    read_metadata,
-)
+from plugtrain.checkpoint import WEIGHTS, open_checkpoint, read_checkpoint
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, UserError, one_line
-from plugtrain.model import FLAVORS, ModelArgs, Transformer, complete, run_model_args
+from plugtrain.model import ModelArgs, Transformer, complete, from_hf, model_args_from_hf
 
-__all__ = ["WEIGHTS", "Loaded", "find_checkpoint", "from_checkpoint", "load", "run"]
+__all__ = ["Loaded", "from_checkpoint", "from_hf_folder", "is_hf_folder", "load", "run"]
+
+HF_WEIGHTS = "model.safetensors"
+"""A Hugging Face folder's weights file (``model.safetensors.index.json`` lists its shards)."""
 
 Loaded = tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer]
 """What a loader returns: the model's shape, its tensors by parameter name, its tokenizer."""
-
-WEIGHTS = {"model": "model.", "ema": "plugins.ema.average."}
-"""The weight sets a checkpoint may hold, and the prefix of their DCP keys."""
-
-
-def find_checkpoint(path: Path) -> Path:
-    """The checkpoint folder ``path`` names: itself if it is one (it holds DCP's ``.metadata``),
-    else the latest complete checkpoint of the run whose dump folder it is."""
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist: give a run's dump folder or a step-N folder")
-    if (path / ".metadata").is_file():
-        return path
-    available = complete_checkpoints(checkpoint_folder(path))
-    if not available:
-        raise CheckpointError(
-            f"{path} holds no checkpoint: give a run's dump folder (trained with "
-            "--checkpoint.enable true) or one of its checkpoints/step-N folders"
-        )
-    return available[max(available)]
-
-
-def _run_config(checkpoint: Path) -> dict[str, Any]:
-    try:
-        return json.loads((checkpoint / CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} is damaged: cannot read its {CONFIG} ({one_line(e)}); "
-            "use another step-N folder"
-        ) from e
-
-
-def _model_args(
-    checkpoint: Path, config: dict[str, Any], tokenizer_path: str | None
-) -> tuple[ModelArgs, Tokenizer]:
-    """The trained shape and tokenizer, from the run config (``tokenizer_path`` overrides it)."""
-    try:
-        flavor = config["model"]["flavor"]
-        seq_len = config["training"]["seq_len"]
-        tokenizer_path = tokenizer_path or config["model"]["tokenizer_path"]
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"checkpoint {checkpoint}'s {CONFIG} lacks {e}: it was not written by this version "
-            "of plugtrain"
-        ) from e
-    if flavor not in FLAVORS:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} was trained with model.flavor '{flavor}', which this "
-            f"version of plugtrain does not have ({', '.join(FLAVORS)})"
-        )
-    if not sample.resolve(tokenizer_path).is_file():
-        raise CheckpointError(
-            f"checkpoint {checkpoint} was trained with tokenizer '{tokenizer_path}', which does "
-            "not exist here: pass --tokenizer FILE"
-        )
-    tokenizer = Tokenizer.from_file(sample.resolve(tokenizer_path))
-    return run_model_args(flavor, tokenizer.vocab_size, seq_len), tokenizer
 
 
 def from_checkpoint(
@@ -105,24 +47,58 @@ def from_checkpoint(
     ``weights`` is ``model`` (the trained parameters) or ``ema`` (the ema plugin's average);
     ``tokenizer_path`` replaces the run config's ``model.tokenizer_path``.
     """
-    checkpoint = find_checkpoint(path)
-    args, tokenizer = _model_args(checkpoint, _run_config(checkpoint), tokenizer_path)
+    saved = open_checkpoint(path, tokenizer_path)
+    saved.tensors(weights)  # refuses a checkpoint without that weight set
     prefix = WEIGHTS[weights]
-    if not any(key.startswith(prefix) for key in read_metadata(checkpoint).state_dict_metadata):
-        raise CheckpointError(
-            f"checkpoint {checkpoint} holds no '{weights}' weights (no key '{prefix}*'): "
-            + ("train with the ema plugin enabled, or " if weights == "ema" else "")
-            + "use a checkpoint written by plugtrain"
-        )
     try:
-        tensors = read_checkpoint(checkpoint, prefix)
+        tensors = read_checkpoint(saved.folder, prefix)
     except UserError:
         raise
     except (Exception, dcp.CheckpointException) as e:  # the latter is no Exception
         raise CheckpointError(
-            f"checkpoint {checkpoint} is damaged: {one_line(e)}; use another step-N folder"
+            f"checkpoint '{saved.folder}' is damaged: {one_line(e)}; use another step-N folder"
         ) from e
-    return args, {key.removeprefix(prefix): t for key, t in tensors.items()}, tokenizer
+    return saved.args, {key.removeprefix(prefix): t for key, t in tensors.items()}, saved.tokenizer
+
+
+def is_hf_folder(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face model folder (safetensors weights and a config)."""
+    return (path / "config.json").is_file() and any(
+        (path / name).is_file() for name in (HF_WEIGHTS, f"{HF_WEIGHTS}.index.json")
+    )
+
+
+def from_hf_folder(path: Path, tokenizer_path: str | None = None) -> Loaded:
+    """Load a Hugging Face Llama folder for inference, on the CPU (``tokenizer_path`` replaces
+    its ``tokenizer.json``)."""
+    from safetensors import safe_open  # a dependency of this input kind alone
+
+    try:
+        args = model_args_from_hf(json.loads((path / "config.json").read_text()))
+        index = path / f"{HF_WEIGHTS}.index.json"
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.is_file()
+            else [HF_WEIGHTS]
+        )
+        state_dict = {}
+        for file in files:
+            with safe_open(path / file, "pt") as f:
+                for key in f.keys():  # noqa: SIM118 (not a dict)
+                    name, tensor = from_hf(key, f.get_tensor(key), args)
+                    state_dict[name] = tensor
+    except UserError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(
+            f"Hugging Face folder '{path}' is damaged: {one_line(e)}; export it again"
+        ) from e
+    tokenizer = Path(tokenizer_path or path / "tokenizer.json")
+    if not tokenizer.is_file():
+        raise CheckpointError(
+            f"Hugging Face folder '{path}' has no tokenizer.json: pass --tokenizer FILE"
+        )
+    return args, state_dict, Tokenizer.from_file(tokenizer)
 
 
 def _build(args: ModelArgs, state_dict: dict[str, torch.Tensor], source: Path) -> Transformer:
@@ -153,7 +129,12 @@ def load(
     """The model saved at ``path`` (any input kind a loader reads), on ``device``, and its
     tokenizer."""
     path = Path(path)
-    args, state_dict, tokenizer = from_checkpoint(path, weights, tokenizer_path)
+    if is_hf_folder(path):
+        if weights != "model":
+            raise ConfigError(f"--weights {weights} reads a plugtrain checkpoint, not '{path}'")
+        args, state_dict, tokenizer = from_hf_folder(path, tokenizer_path)
+    else:
+        args, state_dict, tokenizer = from_checkpoint(path, weights, tokenizer_path)
     return _build(args, state_dict, path).to(device), tokenizer
 
 

@@ -10,5 +10,6 @@ __getattr__, __dir__, __all__ = front_door(
         "layout": ["CONFIG", "checkpoint_folder", "complete_checkpoints"],
         "manager": ["CheckpointManager"],
         "rng": ["seed_generators"],
+        "saved": ["WEIGHTS", "open_checkpoint"],
     },
 )

@@ -17,7 +17,6 @@ first and the tensors stream after it. The output is built in ``OUT.partial`` an
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -30,27 +29,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner, read_metadata
-from plugtrain.checkpoint.layout import CONFIG, STEP_DIR, checkpoint_folder, complete_checkpoints
+from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner
+from plugtrain.checkpoint.saved import WEIGHTS, open_checkpoint
 from plugtrain.data import BOS_TOKEN, EOS_TOKEN, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
-from plugtrain.model import FLAVORS, ModelArgs, hf_config, parameter_shapes, to_hf
+from plugtrain.model import ModelArgs, hf_config, parameter_shapes, to_hf
 
-__all__ = [
-    "WEIGHTS",
-    "export_checkpoint",
-    "find_checkpoint",
-    "parse_size",
-    "run_model_args",
-    "write_hf_folder",
-]
-
-WEIGHTS = {"model": "model.", "ema": "plugins.ema.average."}
-"""The weights ``--weights`` can export, by the DCP key prefix of their tensors: the model's,
-or the average of the ``ema`` plugin (its ``state_dict``, read by name: the core imports no
-plugin)."""
+__all__ = ["export_checkpoint", "parse_size", "write_hf_folder"]
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 """The dtypes an export writes, by their safetensors name."""
@@ -66,41 +52,6 @@ def parse_size(text: str) -> int:
     return int(match[1]) * _UNITS[(match[2] or "").lower()]
 
 
-def find_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint folder ``path`` names: itself (a ``step-N/`` folder), or the latest
-    complete checkpoint of the run whose dump folder it is."""
-    path = Path(path)
-    if (path / ".metadata").is_file() or (STEP_DIR.fullmatch(path.name) and path.is_dir()):
-        return path
-    found = complete_checkpoints(checkpoint_folder(path)) or complete_checkpoints(path)
-    if not found:
-        raise CheckpointError(
-            f"no checkpoint at '{path}': give a run's dump folder (job.dump_folder) that holds "
-            "checkpoints/step-N, or one step-N folder"
-        )
-    return found[max(found)]
-
-
-def run_model_args(run_config: Mapping[str, Any], vocab_size: int) -> ModelArgs:
-    """The shape of the model a run with resolved config ``run_config`` trains (the flavor,
-    with the tokenizer's vocabulary and room for the run's sequence length)."""
-    flavor = FLAVORS[run_config["model"]["flavor"]]
-    seq_len = run_config["training"]["seq_len"]
-    return dataclasses.replace(
-        flavor, vocab_size=vocab_size, max_seq_len=max(flavor.max_seq_len, seq_len)
-    )
-
-
-def _run_config(folder: Path) -> dict[str, Any]:
-    try:
-        return json.loads((folder / CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"checkpoint '{folder}' is damaged: cannot read its {CONFIG} ({one_line(e)}); "
-            "export another checkpoint of the run"
-        ) from e
-
-
 def export_checkpoint(
     path: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -111,47 +62,13 @@ def export_checkpoint(
     overwrite: bool = False,
     tokenizer: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Write checkpoint ``path`` (see :func:`find_checkpoint`) as a Hugging Face folder ``out``,
+    """Write checkpoint ``path`` (a dump folder or a ``step-N/`` folder, see
+    :func:`~plugtrain.checkpoint.saved.open_checkpoint`) as a Hugging Face folder ``out``,
     reading one tensor at a time; returns the checkpoint folder exported. ``tokenizer`` replaces
     the tokenizer.json the run's config names (a relative path the run read from elsewhere)."""
-    folder = find_checkpoint(path)
-    metadata = read_metadata(folder)
-    run_config = _run_config(folder)
-    try:
-        flavor = run_config["model"]["flavor"]
-        tokenizer_path = Path(tokenizer or run_config["model"]["tokenizer_path"])
-        if flavor not in FLAVORS:
-            raise CheckpointError(
-                f"checkpoint '{folder}' is of model flavor '{flavor}', which this plugtrain does "
-                f"not define (it has {', '.join(FLAVORS)}): export it with the plugtrain that "
-                "trained it"
-            )
-        if not tokenizer_path.is_file():
-            raise CheckpointError(
-                f"tokenizer '{tokenizer_path}' of checkpoint '{folder}' (its config's "
-                "model.tokenizer_path) is not found: pass --tokenizer with the run's tokenizer.json"
-            )
-        args = run_model_args(run_config, Tokenizer.from_file(tokenizer_path).vocab_size)
-    except KeyError as e:
-        raise CheckpointError(
-            f"checkpoint '{folder}' is damaged: its {CONFIG} has no {e}; export another "
-            "checkpoint of the run"
-        ) from e
-    prefix = WEIGHTS[weights]
-    stored = {
-        key.removeprefix(prefix): md
-        for key, md in metadata.state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    if not stored:
-        raise CheckpointError(
-            f"checkpoint '{folder}' holds no {weights} weights (no key '{prefix}*'): "
-            + (
-                "train with the ema plugin, or export --weights model"
-                if weights == "ema"
-                else "export a checkpoint written by plugtrain"
-            )
-        )
+    saved = open_checkpoint(path, tokenizer)
+    folder, args, prefix = saved.folder, saved.args, WEIGHTS[weights]
+    stored = saved.tensors(weights)
     shapes = parameter_shapes(args)
     for name, md in stored.items():
         if name not in shapes:
@@ -159,7 +76,7 @@ def export_checkpoint(
         if tuple(md.size) != shapes[name]:
             raise CheckpointError(
                 f"checkpoint '{folder}' holds '{prefix}{name}' of shape {tuple(md.size)}, but "
-                f"its config ({run_config['model']['flavor']}, vocab {args.vocab_size}) gives "
+                f"its config ({saved.config['model']['flavor']}, vocab {args.vocab_size}) gives "
                 f"{shapes[name]}: export with the tokenizer and flavor of the run that saved it"
             )
     missing = [name for name in shapes if name not in stored]
@@ -191,7 +108,7 @@ def export_checkpoint(
         out,
         args,
         load,
-        tokenizer_path=tokenizer_path,
+        tokenizer_path=saved.tokenizer_path,
         dtype=dtype,
         max_shard_size=max_shard_size,
         overwrite=overwrite,

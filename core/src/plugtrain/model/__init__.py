@@ -6,7 +6,7 @@ __getattr__, __dir__, __all__ = front_door(
     __name__,
     {
         "args": ["FLAVORS", "ModelArgs", "run_model_args"],
-        "hf": ["hf_config", "parameter_shapes", "to_hf"],
+        "hf": ["from_hf", "hf_config", "model_args_from_hf", "parameter_shapes", "to_hf"],
         "memory": ["estimate_run"],
         "sharding": ["DTYPES", "build_model", "reshard"],
         "decoding": ["TextTokenizer", "complete", "generate", "next_token"],
