@@ -125,7 +125,15 @@ class ReferenceEma:
 def averages_against_the_reference(folder: str) -> dict:
     """Run on each rank (or in-process): 8 steps, step 4 vetoed; the plugin's averages
     gathered, and the reference's (the decay 0.2 is reached at the fourth update, step 8)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _averages_against_the_reference(folder)
+    finally:
+        torch.set_num_threads(threads)  # in-process, later tests must get the default back
+
+
+def _averages_against_the_reference(folder: str) -> dict:
     ema, reference = Ema(), ReferenceEma(0.2, 1, 2)
     trainer = make_trainer(
         folder, "--plugins.enabled", "ema,hook_recorder", *SCHEDULE,
