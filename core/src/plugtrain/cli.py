@@ -138,11 +138,14 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser(
         "generate",
         help="print what a saved model writes after a prompt",
-        description="Load the model of a run's dump folder (its latest checkpoint) or of a "
-        "checkpoints/step-N folder and print the text it writes after --prompt, up to its "
-        "end-of-text token. Greedy by default; --temperature > 0 samples.",
+        description="Load the model of a run's dump folder (its latest checkpoint), of a "
+        "checkpoints/step-N folder or of an exported Hugging Face folder and print the text it "
+        "writes after --prompt, up to its end-of-text token. Greedy by default; --temperature "
+        "> 0 samples.",
     )
-    gen.add_argument("path", metavar="PATH", help="a run's dump folder or a step-N folder")
+    gen.add_argument(
+        "path", metavar="PATH", help="a run's dump folder, a step-N folder or a Hugging Face one"
+    )
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=100, help="at most this many tokens")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -257,21 +260,16 @@ def command(argv: list[str]) -> int:
         if args.gpus < 1:
             parser.error(f"--gpus must be >= 1, got {args.gpus}")
         return run_cli(lambda: print_estimate(args, rest))
+    # Only plugins (and estimate, above) take config overrides; the others their options only.
+    if rest and args.command != "plugins":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "export-hf":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return run_cli(lambda: export_hf(args))
     if args.command == "prepare-data":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return run_cli(lambda: prepare_data(args))
     if args.command == "generate":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return run_cli(lambda: generate(args))
     if args.command == "plot":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return run_cli(lambda: print(f"wrote {plot_runs(args.runs, args.output)}"))
     return run_cli(lambda: list_plugins(rest))
 
