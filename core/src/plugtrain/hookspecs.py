@@ -278,7 +278,9 @@ def pre_validation(ctx: ValidationContext) -> None:
     ``ctx.weights`` is None for the model's own weights, else the name of the set a plugin
     offered in ``validation_weights``; that plugin copies its weights into the model's
     parameter shards here (in place, under ``torch.no_grad``). The model's parameters are
-    resharded between passes, so the pass evaluates exactly the shards as they are now.
+    resharded between passes, so the pass evaluates exactly the shards as they are now. A
+    plugin may run forwards of its own here (every rank alike: the ``samples`` plugin
+    generates text) and report values in ``ctx.metrics``, as ``post_validation`` may.
     """
 
 
@@ -288,7 +290,9 @@ def post_validation(ctx: ValidationContext) -> None:
 
     ``ctx.loss`` is the pass's loss (a float, the mean over batches and ranks). The plugin that
     swapped its weights in ``pre_validation`` puts the model's own back here: training
-    continues from the parameters as this hook leaves them.
+    continues from the parameters as this hook leaves them. A plugin reports values of its
+    own by setting ``ctx.metrics["<plugin name>/<key>"]`` (numbers or text, on every rank):
+    they join the pass's record in ``metrics.jsonl``.
     """
 
 
