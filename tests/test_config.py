@@ -216,7 +216,8 @@ def test_help_lists_the_choices_of_fields_with_fixed_choices():
     assert "  --ch.limit (int or None; default None)" in lines
     assert "  --ch.names (list of str; default [])" in lines
     assert "  --training.device (one of 'auto', 'cpu', 'cuda'; default 'auto')" in lines
-    assert "  --model.flavor (one of 'tiny', 'debug', '1B', '3B', '8B'; default 'debug')" in lines
+    flavors = "'tiny', 'debug', '1B', '3B', '8B', 'hf'"
+    assert f"  --model.flavor (one of {flavors}; default 'debug')" in lines
 
 
 def test_help_prints_each_section_docstring_under_its_heading():

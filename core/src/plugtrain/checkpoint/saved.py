@@ -19,9 +19,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from plugtrain import sample
 from plugtrain.checkpoint.dcp_io import read_metadata
 from plugtrain.checkpoint.layout import CONFIG, STEP_DIR, checkpoint_folder, complete_checkpoints
+from plugtrain.config import ModelConfig, build_section
 from plugtrain.data import Tokenizer
-from plugtrain.errors import CheckpointError, one_line
-from plugtrain.model import FLAVORS, ModelArgs, run_model_args
+from plugtrain.errors import CheckpointError, UserError, one_line
+from plugtrain.model import FLAVORS, ModelArgs
 
 __all__ = ["WEIGHTS", "SavedCheckpoint", "find_checkpoint", "open_checkpoint"]
 
@@ -98,7 +99,7 @@ def open_checkpoint(
             f"checkpoint '{folder}' is damaged: its {CONFIG} {what}; use another step-N folder "
             "of the run"
         ) from e
-    if flavor not in FLAVORS:
+    if flavor not in FLAVORS and flavor != "hf":
         raise CheckpointError(
             f"checkpoint '{folder}' is of model flavor '{flavor}', which this plugtrain does not "
             f"define (it has {', '.join(FLAVORS)}): use the plugtrain that trained it"
@@ -110,5 +111,12 @@ def open_checkpoint(
             "model.tokenizer_path) is not found: pass --tokenizer with the run's tokenizer.json"
         )
     loaded = Tokenizer.from_file(tokenizer_path)
-    args = run_model_args(flavor, loaded.vocab_size, seq_len)
+    try:
+        model = build_section(ModelConfig, "model", config["model"])
+    except UserError as e:
+        raise CheckpointError(
+            f"checkpoint '{folder}' names a model this plugtrain cannot build ({one_line(e)}): "
+            "use the plugtrain that trained it"
+        ) from e
+    args = model.model_args(loaded.vocab_size, seq_len)
     return SavedCheckpoint(folder, config, args, tokenizer_path, loaded)

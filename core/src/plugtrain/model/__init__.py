@@ -5,11 +5,18 @@ from plugtrain.exports import front_door
 __getattr__, __dir__, __all__ = front_door(
     __name__,
     {
-        "args": ["FLAVORS", "ModelArgs", "run_model_args"],
-        "hf": ["from_hf", "hf_config", "model_args_from_hf", "parameter_shapes", "to_hf"],
+        "args": ["FLAVORS", "ModelArgs", "RopeScaling", "run_model_args"],
+        "hf": [
+            "from_hf",
+            "hf_config",
+            "model_args_from_hf",
+            "parameter_shapes",
+            "read_hf_config",
+            "to_hf",
+        ],
         "memory": ["estimate_run"],
         "sharding": ["DTYPES", "build_model", "reshard"],
         "decoding": ["TextTokenizer", "complete", "generate", "next_token"],
-        "transformer": ["KVCache", "Transformer"],
+        "transformer": ["KVCache", "Transformer", "scale_rope_frequencies"],
     },
 )

@@ -11,6 +11,38 @@ from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (Hugging Face's ``rope_type = "llama3"``).
+
+    Stretches the context a model was trained on: frequencies whose wavelength exceeds
+    ``original_max_seq_len / low_freq_factor`` are divided by ``factor``, those shorter than
+    ``original_max_seq_len / high_freq_factor`` are kept, those between are interpolated.
+    The defaults are Llama 3.1's.
+    """
+
+    factor: float = 8.0
+    """Division of the low frequencies."""
+    low_freq_factor: float = 1.0
+    """Wavelengths above ``original_max_seq_len / low_freq_factor`` are scaled fully."""
+    high_freq_factor: float = 4.0
+    """Wavelengths below ``original_max_seq_len / high_freq_factor`` are left alone."""
+    original_max_seq_len: int = 8192
+    """The context length the unscaled model was trained on."""
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0 or self.low_freq_factor <= 0 or self.original_max_seq_len < 1:
+            raise ValueError(
+                f"RopeScaling needs factor > 0, low_freq_factor > 0 and original_max_seq_len "
+                f">= 1, got {self}"
+            )
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor}"
+            )
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     """Shape hyper-parameters of a Llama-style transformer.
 
@@ -40,6 +72,14 @@ class ModelArgs:
     """Base of the RoPE frequencies (Llama 3: 500000)."""
     max_seq_len: int = 2048
     """Longest sequence the model accepts; the RoPE table is precomputed for this length."""
+    ffn_dim: int | None = None
+    """The SwiGLU hidden size exactly (Hugging Face's ``intermediate_size``); None derives it
+    from ``multiple_of`` and ``ffn_dim_multiplier`` (see :attr:`ffn_hidden_dim`)."""
+    tie_embeddings: bool = False
+    """The output projection is the token embedding's matrix (Llama 3.2 1B/3B, SmolLM): the
+    model then has no ``output`` module and one tensor serves both ends."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's RoPE frequency scaling, or None for plain RoPE."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -68,6 +108,8 @@ class ModelArgs:
                 f"head_dim = dim // n_heads = {self.head_dim} is odd, but RoPE rotates pairs "
                 "of channels; choose dim and n_heads so that head_dim is even"
             )
+        if self.ffn_dim is not None and self.ffn_dim < 1:
+            raise ValueError(f"ModelArgs.ffn_dim must be >= 1 or None, got {self.ffn_dim}")
         if self.ffn_dim_multiplier is not None and self.ffn_dim_multiplier <= 0:
             raise ValueError(
                 f"ModelArgs.ffn_dim_multiplier must be > 0 or None, got {self.ffn_dim_multiplier}"
@@ -80,12 +122,15 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """Hidden size of the SwiGLU feed-forward network, by Llama's rule.
+        """Hidden size of the SwiGLU feed-forward network: :attr:`ffn_dim` if set, else by
+        Llama's rule.
 
         Two thirds of 4*dim (so SwiGLU's three matrices cost about what a 4*dim two-matrix MLP
         costs), times ``ffn_dim_multiplier`` if set, rounded up to a multiple of
         ``multiple_of``.
         """
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * (4 * self.dim) / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
@@ -95,15 +140,15 @@ class ModelArgs:
         """Number of parameters of ``Transformer(self)``, computed from the shape alone.
 
         ``exclude_embedding`` leaves out the token embedding table (a lookup, no matmul), which
-        is the count that FLOP estimates use. The untied output projection is always counted.
+        is the count that FLOP estimates use. The output projection is always counted; a tied
+        one is the embedding's matrix, counted once.
         """
         d, hd = self.dim, self.head_dim
         attention = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2  # wq, wo, wk, wv
         feed_forward = 3 * d * self.ffn_hidden_dim  # w1, w2, w3
         per_layer = attention + feed_forward + 2 * d  # + attention_norm, ffn_norm
-        embedding = self.vocab_size * d
         total = self.n_layers * per_layer + d + self.vocab_size * d  # + norm, output
-        return total if exclude_embedding else total + embedding
+        return total if exclude_embedding or self.tie_embeddings else total + self.vocab_size * d
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.

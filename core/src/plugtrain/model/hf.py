@@ -7,20 +7,33 @@ code) rotates adjacent channel pairs ``(2k, 2k+1)`` of each head, Hugging Face's
 ``wq`` and ``wk`` permuted within each head; without the permutation it loads, runs and gives
 slightly wrong logits (:func:`to_hf`'s ``permute``).
 
-config.json is written in the legacy form (top-level ``rope_theta``, ``torch_dtype``) that
-transformers 4 and 5 and other readers (vLLM, llama.cpp's converter) all read.
+config.json is written in the legacy form (top-level ``rope_theta``, ``rope_scaling``,
+``torch_dtype``) that transformers 4 and 5 and other readers (vLLM, llama.cpp's converter) all
+read; both forms are read. A model with tied embeddings has no ``output.weight``, and its folder
+no ``lm_head.weight`` (as transformers saves a tied model).
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from plugtrain.errors import CheckpointError
+from plugtrain.errors import CheckpointError, one_line
+from plugtrain.model.args import RopeScaling
 from plugtrain.model.transformer import ModelArgs
 
-__all__ = ["from_hf", "hf_config", "model_args_from_hf", "parameter_shapes", "to_hf"]
+__all__ = [
+    "from_hf",
+    "hf_config",
+    "model_args_from_hf",
+    "parameter_shapes",
+    "read_hf_config",
+    "to_hf",
+]
 
 _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
@@ -52,6 +65,7 @@ def hf_config(
     args: ModelArgs, *, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int | None
 ) -> dict[str, Any]:
     """config.json of ``LlamaForCausalLM`` for a model of shape ``args`` stored in ``dtype``."""
+    scaling = args.rope_scaling
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -65,12 +79,20 @@ def hf_config(
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": None
+        if scaling is None
+        else {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len,
+        },
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": bos_token_id,
@@ -85,13 +107,45 @@ def _refuse(field: str, value: Any, why: str) -> CheckpointError:
     )
 
 
-def _ffn_args(dim: int, intermediate: int) -> dict[str, Any]:
-    """``multiple_of`` and ``ffn_dim_multiplier`` whose ``ffn_hidden_dim`` is ``intermediate``."""
-    base = int(2 * (4 * dim) / 3)
-    if intermediate >= base:  # rounding base up to a multiple of intermediate gives it
-        return {"multiple_of": intermediate, "ffn_dim_multiplier": None}
-    # int(intermediate / base * base) is intermediate or intermediate - 1; either rounds up to it.
-    return {"multiple_of": intermediate, "ffn_dim_multiplier": intermediate / base}
+_LLAMA3_KEYS = {
+    "factor": "factor",
+    "low_freq_factor": "low_freq_factor",
+    "high_freq_factor": "high_freq_factor",
+    "original_max_position_embeddings": "original_max_seq_len",
+}
+"""Hugging Face's llama3 RoPE parameters -> :class:`RopeScaling`'s fields."""
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE's theta and scaling, from the legacy form (top-level ``rope_theta``,
+    ``rope_scaling``) or transformers 5's (``rope_parameters`` holding both)."""
+    field = "rope_scaling" if config.get("rope_scaling") is not None else "rope_parameters"
+    params = config.get(field) or {}
+    if not isinstance(params, dict):
+        raise _refuse(field, params, "it must be an object")
+    theta = float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise _refuse(field, params, "only the default RoPE and the llama3 scaling are")
+    missing = [key for key in _LLAMA3_KEYS if key not in params]
+    if missing:
+        raise _refuse(field, params, f"the llama3 scaling needs '{missing[0]}'")
+    try:
+        return theta, RopeScaling(**{ours: params[hf] for hf, ours in _LLAMA3_KEYS.items()})
+    except (TypeError, ValueError) as e:
+        raise _refuse(field, params, one_line(e)) from e
+
+
+_REQUIRED = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+"""The fields of config.json without a default."""
 
 
 def model_args_from_hf(config: dict[str, Any]) -> ModelArgs:
@@ -102,25 +156,29 @@ def model_args_from_hf(config: dict[str, Any]) -> ModelArgs:
         ("hidden_act", "silu", "the feed-forward network is SwiGLU"),
         ("attention_bias", False, "attention projections have no bias"),
         ("mlp_bias", False, "feed-forward projections have no bias"),
-        ("tie_word_embeddings", False, "the output projection is untied"),
+        ("attention_dropout", 0.0, "the model has no dropout"),
     ):
         value = config.get(field, wanted if field != "model_type" else None)
         if value != wanted:
             raise _refuse(field, value, why)
     if config.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
         raise _refuse("architectures", config["architectures"], "only LlamaForCausalLM is")
-    for field in ("sliding_window", "rope_scaling"):
-        if config.get(field) is not None:
-            raise _refuse(field, config[field], f"{field} is not implemented")
-    rope = config.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise _refuse("rope_parameters", rope, "only the default RoPE is implemented")
+    if config.get("sliding_window") is not None:
+        raise _refuse("sliding_window", config["sliding_window"], "attention is global")
+    if not isinstance(config.get("tie_word_embeddings", False), bool):
+        raise _refuse("tie_word_embeddings", config["tie_word_embeddings"], "it must be a bool")
+    theta, scaling = _rope(config)
     if config.get("pretraining_tp", 1) != 1:
         raise _refuse("pretraining_tp", config["pretraining_tp"], "use a config with 1")
+    missing = [field for field in _REQUIRED if field not in config]
+    if missing:
+        raise CheckpointError(
+            f"config.json has no field '{missing[0]}': give the config of a LlamaForCausalLM"
+        )
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim", dim // n_heads) * n_heads != dim:
-        raise _refuse("head_dim", config["head_dim"], "head_dim must be hidden_size // heads")
     try:
+        if (config.get("head_dim") or dim // n_heads) * n_heads != dim:
+            raise _refuse("head_dim", config["head_dim"], "it must be hidden_size // heads")
         args = ModelArgs(
             dim=dim,
             n_layers=config["num_hidden_layers"],
@@ -128,15 +186,32 @@ def model_args_from_hf(config: dict[str, Any]) -> ModelArgs:
             n_kv_heads=config.get("num_key_value_heads") or n_heads,
             vocab_size=config["vocab_size"],
             norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=theta,
             max_seq_len=config.get("max_position_embeddings", 2048),
-            **_ffn_args(dim, config["intermediate_size"]),
+            ffn_dim=config["intermediate_size"],
+            tie_embeddings=config.get("tie_word_embeddings", False),
+            rope_scaling=scaling,
         )
-    except ValueError as e:
-        raise CheckpointError(f"config.json describes an unusable model: {e}") from e
-    if args.ffn_hidden_dim != config["intermediate_size"]:
-        raise _refuse("intermediate_size", config["intermediate_size"], "no multiple_of gives it")
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json describes an unusable model: {one_line(e)}") from e
     return args
+
+
+def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The config.json at ``path`` (the file, or a folder holding it), as a dict; a one-line
+    :class:`CheckpointError` if it is missing or not JSON."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read Hugging Face config '{file}' ({one_line(e)}): give a config.json "
+            "or the folder holding it"
+        ) from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"Hugging Face config '{file}' is not a JSON object")
+    return config
 
 
 def parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -163,7 +238,8 @@ def parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     for i in range(args.n_layers):
         shapes.update({f"layers.{i}.{name}": shape for name, shape in layer.items()})
     shapes["norm.weight"] = (d,)
-    shapes["output.weight"] = (args.vocab_size, d)
+    if not args.tie_embeddings:
+        shapes["output.weight"] = (args.vocab_size, d)
     return shapes
 
 
@@ -207,6 +283,11 @@ def from_hf(
     name: str, tensor: torch.Tensor, args: ModelArgs, *, permute: bool = True
 ) -> tuple[str, torch.Tensor]:
     """The inverse of :func:`to_hf`: Hugging Face's name and tensor as plugtrain's."""
+    if name == "lm_head.weight" and args.tie_embeddings:
+        raise CheckpointError(
+            "tensor 'lm_head.weight' is in the folder, but its config.json sets "
+            "tie_word_embeddings: the model has no separate output projection; set it to false"
+        )
     if name in _FROM_TOP:
         return _FROM_TOP[name], tensor
     parts = name.split(".", 3)

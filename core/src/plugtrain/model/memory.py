@@ -8,8 +8,9 @@ gradients of earlier microbatches are there):
   fused AdamW's two fp32 moments, 4 + 4 + 8 bytes a parameter, divided by the world size when
   FSDP2 shards the model (see :func:`~plugtrain.model.sharding.needs_sharding`);
 * **gathered**: what FSDP2 all-gathers in the compute dtype: the root's parameters (embedding,
-  final norm, output projection: kept from forward to the end of backward) and two blocks (the
-  one computing and the one prefetched); and the unsharded gradients of the output projection
+  final norm, output projection unless tied to the embedding: kept from forward to the end of
+  backward) and two blocks (the one computing and the one prefetched); and the unsharded
+  gradients of the output projection
   (from the start of backward to its end) and of one block, plus that block's copy in the
   reduce dtype when it differs;
 * **activations**: what autograd keeps for backward, :func:`layer_bytes_per_token` per block
@@ -52,7 +53,7 @@ from plugtrain.config import JobConfig
 from plugtrain.data import Tokenizer
 from plugtrain.errors import ConfigError
 from plugtrain.model.sharding import DTYPES, needs_sharding
-from plugtrain.model.transformer import FLAVORS, ModelArgs
+from plugtrain.model.transformer import ModelArgs
 
 __all__ = [
     "Checkpointing",
@@ -114,9 +115,14 @@ def layer_bytes_per_token(args: ModelArgs, compute_bytes: int, mode: str) -> int
     return norms + p * (2 * q + 2 * kv) + 4 * args.n_heads + 4 * p * h
 
 
+def _root_params(args: ModelArgs) -> int:
+    """The parameters outside the blocks: embedding, output (unless tied to it), final norm."""
+    matrices = 1 if args.tie_embeddings else 2
+    return matrices * args.vocab_size * args.dim + args.dim
+
+
 def _block_params(args: ModelArgs) -> int:
-    root = 2 * args.vocab_size * args.dim + args.dim  # embedding, output, final norm
-    return (args.num_params() - root) // args.n_layers
+    return (args.num_params() - _root_params(args)) // args.n_layers
 
 
 @dataclass(frozen=True)
@@ -174,8 +180,8 @@ def estimate_memory(
     block, out_proj = _block_params(args), args.vocab_size * args.dim
     gathered = 0
     if sharded:
-        root = 2 * out_proj + args.dim
-        gathered = p * (root + 2 * block) + p * (out_proj + block) + (r * block if r != p else 0)
+        gathered = p * (_root_params(args) + 2 * block + out_proj + block)
+        gathered += r * block if r != p else 0
     per_layer = {mode: layer_bytes_per_token(args, p, mode) for mode in ("none", "full", "op")}
     if checkpointing.mode == "layer":
         full = args.n_layers // checkpointing.every
@@ -214,7 +220,8 @@ def estimate_run(
     """:func:`estimate_memory` for ``config`` on ``world_size`` processes.
 
     ``vocab_size`` is the tokenizer's; by default it is read from ``model.tokenizer_path``, or,
-    where that file does not exist, the flavor's is used (and the estimate says so).
+    where that file does not exist, the flavor's is used (and the estimate says so). With flavor
+    ``hf`` the embedding has config.json's rows whatever the tokenizer.
     """
     train = config.training
     parts = world_size * train.grad_accum_steps
@@ -224,13 +231,12 @@ def estimate_run(
             f"grad_accum_steps = {world_size} * {train.grad_accum_steps} = {parts}: set "
             f"training.batch_size to a multiple of {parts} or change grad_accum_steps"
         )
-    args, whose = FLAVORS[config.model.flavor], ""
+    whose = ""
     if vocab_size is None and Path(config.model.tokenizer_path).is_file():
         vocab_size = Tokenizer.from_file(config.model.tokenizer_path).vocab_size
-    if vocab_size is None:
+    if vocab_size is None and config.model.flavor != "hf":
         whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
-    else:
-        args = dataclasses.replace(args, vocab_size=vocab_size)
+    args = config.model.model_args(vocab_size, train.seq_len)
     estimate = estimate_memory(
         args,
         world_size=world_size,

@@ -2,8 +2,9 @@
 
 The architecture is Llama 3's: pre-norm RMSNorm blocks, rotary position embeddings (RoPE),
 grouped-query attention through ``F.scaled_dot_product_attention``, a SwiGLU feed-forward
-network and an untied output projection. Parameter names follow Meta's reference code and
-torchtitan (``tok_embeddings``, ``layers.N.attention.wq``, ``feed_forward.w1``, ...).
+network and an output projection, untied unless ``ModelArgs.tie_embeddings``. Parameter
+names follow Meta's reference code and torchtitan (``tok_embeddings``,
+``layers.N.attention.wq``, ``feed_forward.w1``, ...).
 
 The trainer builds the model on the meta device, applies FSDP2 ``fully_shard`` to every
 ``TransformerBlock`` in ``Transformer.layers`` and to the root, materialises the shards with
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from plugtrain.model.args import FLAVORS, ModelArgs
+from plugtrain.model.args import FLAVORS, ModelArgs, RopeScaling
 
 __all__ = [
     "FLAVORS",
@@ -33,15 +34,39 @@ __all__ = [
     "TransformerBlock",
     "apply_rotary_emb",
     "precompute_freqs_cis",
+    "scale_rope_frequencies",
 ]
 
 
-def precompute_freqs_cis(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """RoPE rotations ``exp(i * pos * theta^(-2k/head_dim))``, complex64 [max_seq_len, head_dim/2].
+def scale_rope_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """``inv_freq`` (RoPE's angular frequencies) under Llama 3.1's scaling.
+
+    Hugging Face's ``_compute_llama3_parameters`` and Meta's ``apply_scaling``: wavelengths
+    ``2 pi / f`` above ``original / low_freq_factor`` are divided by ``factor``, those below
+    ``original / high_freq_factor`` kept, and those between interpolated by where
+    ``original / wavelength`` lies between the two factors.
+    """
+    wavelen = 2 * math.pi / inv_freq
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    smooth = (scaling.original_max_seq_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(
+        wavelen > scaling.original_max_seq_len / low, inv_freq / scaling.factor, smoothed
+    )
+    return torch.where(wavelen < scaling.original_max_seq_len / high, inv_freq, scaled)
+
+
+def precompute_freqs_cis(
+    head_dim: int, max_seq_len: int, theta: float, scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """RoPE rotations ``exp(i * pos * theta^(-2k/head_dim))``, complex64 [max_seq_len, head_dim/2],
+    the frequencies scaled by :func:`scale_rope_frequencies` when ``scaling`` is given.
 
     Computed in float64 on the CPU, so every device and every process gets the same table.
     """
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if scaling is not None:
+        inv_freq = scale_rope_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
@@ -273,14 +298,21 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Tied: no module at all, so that the model has one parameter where FSDP2, DCP,
+        # to_empty and init_weights each see one tensor (a module sharing the Parameter would be
+        # untied by to_empty from meta, and saved twice).
+        self.output = (
+            None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        )
         # Non-persistent (not in state_dict, hence not in checkpoints) because it is a
         # pure function of args; init_weights recomputes it after to_empty. It is complex so
         # that FSDP2's MixedPrecisionPolicy, which casts floating-point forward inputs of every
         # sharded block to param_dtype, leaves it in full precision.
         self.register_buffer(
             "freqs_cis",
-            precompute_freqs_cis(args.head_dim, args.max_seq_len, args.rope_theta),
+            precompute_freqs_cis(
+                args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
+            ),
             persistent=False,
         )
 
@@ -307,20 +339,25 @@ class Transformer(nn.Module):
             for layer in self.layers:
                 h = layer(h, freqs_cis, cache)
             cache.length += seq_len
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
 
     def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:
         """(parameter, how to fill it) for every parameter, in a fixed, sharding-free order.
 
         The embedding is N(0, 1) (Llama/torchtitan); the output projection gets std dim**-0.5
         so that the initial logits have about unit scale and the initial loss is near
-        log(vocab_size).
+        log(vocab_size). A tied embedding is drawn once, at the output's scale, for the same
+        reason (the first block's RMSNorm rescales what it feeds the blocks).
         """
-        plan: list[tuple[nn.Parameter, Fill]] = [(self.tok_embeddings.weight, init_normal(1.0))]
+        out_std = self.args.dim**-0.5
+        embedding = init_trunc_normal(out_std) if self.output is None else init_normal(1.0)
+        plan: list[tuple[nn.Parameter, Fill]] = [(self.tok_embeddings.weight, embedding)]
         for layer in self.layers:
             plan.extend(layer.init_plan())
         plan.append((self.norm.weight, init_ones))
-        plan.append((self.output.weight, init_trunc_normal(self.args.dim**-0.5)))
+        if self.output is not None:
+            plan.append((self.output.weight, init_trunc_normal(out_std)))
         return plan
 
     @torch.no_grad()
@@ -358,8 +395,9 @@ class Transformer(nn.Module):
                 param.to_local().copy_(shard.to_local())
             else:
                 param.copy_(full)
+        args = self.args
         self.freqs_cis = precompute_freqs_cis(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta
+            args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
         ).to(self.freqs_cis.device)
 
 

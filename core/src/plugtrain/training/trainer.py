@@ -41,7 +41,6 @@ from plugtrain.model import (
     build_model,
     estimate_run,
     reshard,
-    run_model_args,
 )
 from plugtrain.observability import (
     HookTracer,
@@ -130,9 +129,7 @@ class Trainer:
         self.batches = SkippingLoader(
             DevicePrefetcher(loader, self.device), self.control.skip_ranges
         )
-        self.model_args = run_model_args(
-            config.model.flavor, self.tokenizer.vocab_size, train_cfg.seq_len
-        )
+        self.model_args = config.model.model_args(self.tokenizer.vocab_size, train_cfg.seq_len)
         self.model = build_model(
             self.model_args,
             self.world.mesh,
