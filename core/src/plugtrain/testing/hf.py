@@ -1,0 +1,100 @@
+"""Hugging Face Llama folders for tests: random ``LlamaForCausalLM`` models built offline.
+
+:func:`hf_llama_folder` saves a tiny model of one of :data:`HF_VARIANTS` with transformers'
+own ``save_pretrained`` (sharded on request), next to the sample's tokenizer, as a real
+checkpoint of that family would be laid out; :func:`hf_llama_logits` is transformers' answer
+for such a folder, the reference an import is checked against. transformers is imported here
+only, when first asked for (it comes with the ``dev`` requirements, not with plugtrain).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from plugtrain import sample
+
+__all__ = ["HF_VARIANTS", "hf_llama_config", "hf_llama_folder", "hf_llama_logits"]
+
+Variant = Literal["plain", "tied", "scaled"]
+HF_VARIANTS: tuple[Variant, ...] = ("plain", "tied", "scaled")
+"""``plain``: untied with grouped-query attention (Llama 3 8B's layout); ``tied``: tied
+embeddings (Llama 3.2 1B/3B, SmolLM); ``scaled``: Llama 3.1's ``llama3`` RoPE scaling over an
+original context of 64 positions, so that sequences of 128 tokens see every regime (kept,
+interpolated and divided frequencies)."""
+
+
+def hf_llama_config(variant: Variant = "plain", **overrides: Any) -> dict[str, Any]:
+    """The ``LlamaConfig`` keyword arguments of a tiny model of ``variant`` (2 layers, width 64,
+    4 query and 2 key/value heads, an ``intermediate_size`` no ``multiple_of`` rule gives, the
+    sample tokenizer's 2048 tokens, 256 positions), with ``overrides`` on top."""
+    if variant not in HF_VARIANTS:
+        raise ValueError(f"variant {variant!r} is not one of {HF_VARIANTS}")
+    config: dict[str, Any] = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 96,
+        "vocab_size": 2048,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": variant == "tied",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    if variant == "scaled":
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    return config | overrides
+
+
+def hf_llama_folder(
+    path: str | os.PathLike[str],
+    variant: Variant = "plain",
+    *,
+    max_shard_size: int | str | None = None,
+    seed: int = 0,
+    tokenizer: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Save a random float32 ``LlamaForCausalLM`` of :func:`hf_llama_config` ``(variant,
+    **overrides)`` to folder ``path`` with ``save_pretrained`` (in shards of at most
+    ``max_shard_size``, with ``model.safetensors.index.json``, when given), its weights drawn
+    from ``seed`` (the global generator is left as it was); with ``tokenizer``, the sample's
+    ``tokenizer.json`` too. Returns ``path``."""
+    import transformers
+
+    path = Path(path)
+    config = transformers.LlamaConfig(**hf_llama_config(variant, **overrides))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **kwargs)
+    if tokenizer:
+        shutil.copyfile(sample.resolve("sample:tokenizer.json"), path / "tokenizer.json")
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config) + "\n")
+    return path
+
+
+def hf_llama_logits(path: str | os.PathLike[str], tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 logits ``[B, S, vocab]`` for ``tokens`` ``[B, S]``, from the
+    model it loads from folder ``path``."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
