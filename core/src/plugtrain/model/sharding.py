@@ -62,12 +62,14 @@ def build_model(
     device: torch.device,
     seed: int,
     transform: Callable[[Transformer], None] | None = None,
+    init_weights: bool = True,
 ) -> Transformer:
     """Build on the meta device, ``transform`` it, shard, then materialise and initialise.
 
     ``transform`` (the plugins' model hooks) sees the unsharded model on the meta device and
     changes it in place. No rank ever holds the full model, and ``init_weights`` gives the same
-    weights whatever the world size.
+    weights whatever the world size. ``init_weights=False`` leaves the parameters uninitialised
+    (empty memory) for a caller that loads them (the initial load).
     """
     with torch.device("meta"):
         model = Transformer(args)
@@ -75,5 +77,8 @@ def build_model(
         transform(model)
     shard_model(model, mesh, param_dtype, reduce_dtype)
     model.to_empty(device=device)
-    model.init_weights(seed=seed)
+    if init_weights:
+        model.init_weights(seed=seed)
+    else:
+        model.init_buffers()
     return model

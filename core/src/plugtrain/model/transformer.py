@@ -395,6 +395,11 @@ class Transformer(nn.Module):
                 param.to_local().copy_(shard.to_local())
             else:
                 param.copy_(full)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Rebuild the RoPE buffer (after ``to_empty``), for a model whose parameters are
+        loaded rather than initialised; :meth:`init_weights` calls it."""
         args = self.args
         self.freqs_cis = precompute_freqs_cis(
             args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
