@@ -51,11 +51,12 @@ class ModelConfig:
     and vocabulary make the model; the tokenizer's vocabulary must fit in its ``vocab_size``.
     A field the model cannot express (biases, sliding window, another model or RoPE type) is
     refused, named."""
-    tokenizer_path: str = "sample:tokenizer.json"
+    tokenizer_path: str = ""
     """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's (with flavor
-    ``hf``, config.json's does). Here and in the data paths, ``sample:NAME`` names a file of
-    the Shakespeare sample shipped with plugtrain; any other path is relative to the current
-    folder."""
+    ``hf``, config.json's does). Unset (""): the ``tokenizer.json`` of the Hugging Face folder
+    ``checkpoint.initial_load_path`` names, if it has one, else ``sample:tokenizer.json``. Here
+    and in the data paths, ``sample:NAME`` names a file of the Shakespeare sample shipped with
+    plugtrain; any other path is relative to the current folder."""
     tie_embeddings: bool = False
     """The output projection is the token embedding's matrix (Llama 3.2 1B/3B, SmolLM): one
     ``vocab x dim`` tensor fewer. Not with flavor ``hf`` (config.json says)."""
@@ -82,9 +83,6 @@ class ModelConfig:
                 f" choose one of {', '.join(choices)}"
             )
         if self.flavor == "hf":
-            check_field(
-                bool(self.hf_config), "hf_config", "is empty: with flavor 'hf' name a config.json"
-            )
             for key, default in _SHAPE_OPTIONS.items():
                 check_field(
                     getattr(self, key) == default,
@@ -340,6 +338,16 @@ class CheckpointConfig:
     async_mode: Literal["disabled", "async"] = "disabled"
     """``async``: copy the state to CPU memory, then write it in a background thread while
     training goes on (``dcp.async_save``); ``disabled``: training waits for each save."""
+    initial_load_path: str = ""
+    """Start a new run from these weights instead of random ones: a Hugging Face Llama folder
+    (``config.json`` and ``model.safetensors``, sharded or not; its ``tokenizer.json`` is used
+    unless ``model.tokenizer_path`` is set) or a plugtrain ``step-N`` checkpoint folder. Ignored
+    when the dump folder holds checkpoints: the run then resumes from them. ``model.flavor``
+    must have the loaded model's shape."""
+    initial_load_model_only: bool = True
+    """With ``initial_load_path`` a plugtrain checkpoint: false takes AdamW's state (moments and
+    its step count) too, e.g. to branch a decay run from a stable-phase checkpoint. The step,
+    LR schedule and data position always start afresh with this run's settings."""
 
     def __post_init__(self) -> None:
         check_field(self.interval >= 1, "interval", f"must be >= 1, got {self.interval}")
@@ -362,6 +370,11 @@ class CheckpointConfig:
             self.enable or not self.discard_later,
             "discard_later",
             "needs checkpoint.enable = true: add --checkpoint.enable true",
+        )
+        check_field(
+            self.initial_load_model_only or bool(self.initial_load_path),
+            "initial_load_model_only",
+            "false needs checkpoint.initial_load_path: set it to a step-N folder",
         )
 
 
@@ -389,6 +402,24 @@ class JobConfig:
     plugins: PluginsConfig = field(default_factory=PluginsConfig)
     plugin_sections: dict[str, Any] = field(default_factory=dict)
     """Each enabled plugin's validated config dataclass, by plugin name."""
+
+    def __post_init__(self) -> None:
+        # Unset, these are the initial load's own (a Hugging Face folder's), if it has them.
+        initial = self.checkpoint.initial_load_path
+        if not self.model.tokenizer_path:
+            folder_tokenizer = Path(initial, "tokenizer.json")
+            self.model.tokenizer_path = (
+                str(folder_tokenizer)
+                if initial and folder_tokenizer.is_file()
+                else "sample:tokenizer.json"
+            )
+        if self.model.flavor == "hf" and not self.model.hf_config:
+            if not (initial and Path(initial, "config.json").is_file()):
+                raise ConfigError(
+                    "config key 'model.hf_config' is empty: with flavor 'hf' name a config.json"
+                    " (or set checkpoint.initial_load_path to a Hugging Face folder)"
+                )
+            self.model.hf_config = initial
 
     def plugin(self, name: str) -> Any:
         """The config section of plugin ``name``."""

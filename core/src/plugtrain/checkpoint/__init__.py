@@ -7,6 +7,7 @@ __getattr__, __dir__, __all__ = front_door(
     {
         "dcp_io": ["read_checkpoint", "read_metadata"],
         "export": ["export_checkpoint", "parse_size"],
+        "initial": ["InitialLoad", "initial_load_ignored", "open_initial_load"],
         "layout": ["CONFIG", "checkpoint_folder", "complete_checkpoints"],
         "manager": ["CheckpointManager"],
         "rng": ["seed_generators"],

@@ -321,6 +321,7 @@ def write_run_records(
     *,
     resumed_from: Mapping[str, Any] | None = None,
     lr_schedule_steps: int | None = None,
+    initial_load: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``config.json`` (the resolved config) and ``run.json`` to the dump folder.
 
@@ -328,7 +329,9 @@ def write_run_records(
     version, and for one that deactivated itself in ``setup``, ``inactive`` with its reason.
     ``resumed_from`` is the checkpoint a resumed run continues (``path``, ``step``), and
     ``lr_schedule_steps`` the steps its LR schedule spans (a resume keeps the planned length,
-    which may differ from ``training.steps``).
+    which may differ from ``training.steps``). ``initial_load`` is what a fresh start's
+    weights came from (``checkpoint.initial_load_path``: ``kind``, ``path``, the Hugging Face
+    ``model`` or the checkpoint's ``step``, the sha256 of its ``config.json``).
     """
     folder = Path(config.job.dump_folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -344,6 +347,7 @@ def write_run_records(
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "resumed_from": dict(resumed_from) if resumed_from is not None else None,
         "lr_schedule_steps": lr_schedule_steps,
+        "initial_load": dict(initial_load) if initial_load is not None else None,
     }
     for name, data in (("config.json", config.to_dict()), ("run.json", run)):
         (folder / name).write_text(json.dumps(data, indent=2) + "\n")

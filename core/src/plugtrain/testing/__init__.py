@@ -35,7 +35,7 @@ among the enabled plugins); :class:`StepWatcher` and :class:`PeakMemory`.
 Hugging Face folders (:mod:`~plugtrain.testing.hf`, with transformers installed):
 :func:`hf_llama_folder` saves a tiny random ``LlamaForCausalLM`` (plain, tied or RoPE-scaled,
 sharded on request) as transformers does; :func:`hf_llama_logits` is transformers' logits for
-it, the reference of an import.
+it, the reference of an import; :func:`save_random_llama` saves one of a plugtrain shape.
 
 The reference data path (:mod:`~plugtrain.testing.reference`): :func:`load_jsonl_texts`,
 :func:`tokenize_documents`, :class:`InMemoryStream` and :func:`build_dataset` read, frame and
@@ -64,7 +64,13 @@ __getattr__, __dir__, __all__ = front_door(
         ],
         "contexts": ["model_context", "setup_context", "step_context"],
         "faults": ["InjectInf", "SigtermAt", "interrupted_and_resumed", "poison"],
-        "hf": ["HF_VARIANTS", "hf_llama_config", "hf_llama_folder", "hf_llama_logits"],
+        "hf": [
+            "HF_VARIANTS",
+            "hf_llama_config",
+            "hf_llama_folder",
+            "hf_llama_logits",
+            "save_random_llama",
+        ],
         "processes": ["free_port", "run_distributed", "run_script"],
         "pytest_plugin": ["plugtrain_run"],
         "reference": ["InMemoryStream", "build_dataset", "load_jsonl_texts", "tokenize_documents"],

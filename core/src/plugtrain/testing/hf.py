@@ -2,8 +2,9 @@
 
 :func:`hf_llama_folder` saves a tiny model of one of :data:`HF_VARIANTS` with transformers'
 own ``save_pretrained`` (sharded on request), next to the sample's tokenizer, as a real
-checkpoint of that family would be laid out; :func:`hf_llama_logits` is transformers' answer
-for such a folder, the reference an import is checked against. transformers is imported here
+checkpoint of that family would be laid out; :func:`save_random_llama` saves one of a plugtrain
+shape instead; :func:`hf_llama_logits` is transformers' answer for such a folder, the reference
+an import is checked against. transformers is imported here
 only, when first asked for (it comes with the ``dev`` requirements, not with plugtrain).
 """
 
@@ -18,8 +19,15 @@ from typing import Any, Literal
 import torch
 
 from plugtrain import sample
+from plugtrain.model import ModelArgs, hf_config
 
-__all__ = ["HF_VARIANTS", "hf_llama_config", "hf_llama_folder", "hf_llama_logits"]
+__all__ = [
+    "HF_VARIANTS",
+    "hf_llama_config",
+    "hf_llama_folder",
+    "hf_llama_logits",
+    "save_random_llama",
+]
 
 Variant = Literal["plain", "tied", "scaled"]
 HF_VARIANTS: tuple[Variant, ...] = ("plain", "tied", "scaled")
@@ -74,17 +82,52 @@ def hf_llama_folder(
     ``max_shard_size``, with ``model.safetensors.index.json``, when given), its weights drawn
     from ``seed`` (the global generator is left as it was); with ``tokenizer``, the sample's
     ``tokenizer.json`` too. Returns ``path``."""
+    tokenizer_file = sample.resolve("sample:tokenizer.json") if tokenizer else None
+    return _save(
+        path, hf_llama_config(variant, **overrides), torch.float32, seed, max_shard_size,
+        tokenizer_file,
+    )  # fmt: skip
+
+
+def save_random_llama(
+    folder: str | os.PathLike[str],
+    args: ModelArgs,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Save a random ``LlamaForCausalLM`` of plugtrain shape ``args`` (its config from
+    :func:`~plugtrain.model.hf_config`) to ``folder``, in ``dtype``, sharded as
+    :func:`hf_llama_folder` does; ``tokenizer``, a ``tokenizer.json``, is copied in.
+
+    The weights are drawn with std 0.2 rather than transformers' 0.02, so that the logits are
+    far from uniform: the loss of the loaded model (about ln(vocab) + 0.6 for the tiny shape)
+    then tells it from a freshly initialised one (about ln(vocab))."""
+    config = hf_config(args, dtype=dtype, bos_token_id=None, eos_token_id=None)
+    config["initializer_range"] = 0.2
+    return _save(folder, config, dtype, seed, max_shard_size, tokenizer)
+
+
+def _save(
+    path: str | os.PathLike[str],
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    seed: int,
+    max_shard_size: int | str | None,
+    tokenizer: str | os.PathLike[str] | None,
+) -> Path:
     import transformers
 
     path = Path(path)
-    config = transformers.LlamaConfig(**hf_llama_config(variant, **overrides))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(config).to(torch.float32)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(dtype)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
-    if tokenizer:
-        shutil.copyfile(sample.resolve("sample:tokenizer.json"), path / "tokenizer.json")
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, path / "tokenizer.json")
         tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
         (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config) + "\n")
     return path

@@ -19,7 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from plugtrain import sample
-from plugtrain.checkpoint import CheckpointManager, seed_generators
+from plugtrain.checkpoint import (
+    CheckpointManager,
+    InitialLoad,
+    initial_load_ignored,
+    open_initial_load,
+    seed_generators,
+)
 from plugtrain.config import JobConfig
 from plugtrain.data import (
     DevicePrefetcher,
@@ -103,6 +109,15 @@ class Trainer:
         self.device = self.world.device
         self.param_dtype = DTYPES[train_cfg.mixed_precision_param]
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
+        self.initial_load: InitialLoad | None = None
+        """Where a fresh start's weights come from (checkpoint.initial_load_path), if anywhere."""
+        if config.checkpoint.initial_load_path:
+            # Checked first, so that a bad folder is refused before anything else is done.
+            ignored = initial_load_ignored(config.checkpoint, config.job.dump_folder)
+            if ignored:
+                logger.info("%s", ignored)
+            else:
+                self.initial_load = open_initial_load(config.checkpoint)
 
         self.tokenizer = Tokenizer.from_file(sample.resolve(config.model.tokenizer_path))
         self.train_data = self._train_dataset()
@@ -138,10 +153,14 @@ class Trainer:
             self.device,
             train_cfg.seed,
             transform=self._transform_model,
+            init_weights=self.initial_load is None,
         )
         self.params = tuple(self.model.parameters())
         """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        if self.initial_load is not None:
+            self.initial_load.check(self.model, self.model_args, config.model.tokenizer_path)
+            self.initial_load.load(self.model, self.optimizer, self.model_args)
         self.lr_scheduler = LRSchedule(self.optimizer, config.lr_scheduler, train_cfg.steps)
         self.vetoes = Vetoes(self.device)
         self.step = 0
@@ -187,6 +206,7 @@ class Trainer:
                 self.world.world_size,
                 self.device,
                 resumed_from=self.checkpointer.resumed_from,
+                initial_load=None if self.initial_load is None else self.initial_load.record(),
                 lr_schedule_steps=self.lr_scheduler.total_steps,
             )
 

@@ -1,0 +1,343 @@
+"""The initial load: a new run's weights from a Hugging Face folder or a step-N checkpoint.
+
+In place of ``init_weights``, with AdamW's state too on request.
+
+``checkpoint.initial_load_path`` names either. It applies on a fresh start only: a dump folder
+that holds complete checkpoints resumes from them instead (:func:`initial_load_ignored` says
+why), since the run it continues already started from the load.
+
+Either way the tensors go straight into the sharded model and no process holds the whole
+model. A Hugging Face folder (``config.json`` and ``model.safetensors``, or shards listed by
+``model.safetensors.index.json``) is read through ``safetensors``' lazy slices: each rank reads
+only the rows of each tensor its ``Shard(0)`` holds (for q and k, the rows of the heads they
+fall in, which RoPE's layout change permutes within; see ``model/hf.py``), cast to the
+parameter's dtype. A ``step-N/`` folder is read by DCP, which reshards any saved world size
+onto this one; with ``checkpoint.initial_load_model_only = false`` AdamW's per-parameter state
+(moments and its own step count) comes too. Never the trainer's step, LR schedule, data
+position or plugin states: those start afresh with the new run's settings.
+
+Every check runs before any tensor is read and before the run writes to its dump folder: a
+missing or damaged folder, a model shape that differs (tensor by tensor), missing or unknown
+tensors, or a tokenizer whose vocabulary does not match the embedding are refused in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.optim import Optimizer
+
+from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner, flat_keys
+from plugtrain.checkpoint.layout import CONFIG, STEP_DIR, checkpoint_folder, complete_checkpoints
+from plugtrain.config import CheckpointConfig
+from plugtrain.errors import CheckpointError, one_line
+from plugtrain.model import ModelArgs, from_hf, model_args_from_hf, to_hf
+
+logger = logging.getLogger("plugtrain")
+
+__all__ = ["InitialLoad", "initial_load_ignored", "open_initial_load"]
+
+HF_INDEX = "model.safetensors.index.json"
+HF_WEIGHTS = "model.safetensors"
+
+_KEY = "checkpoint.initial_load_path"
+_IGNORED_HF = ("rotary_emb.inv_freq",)
+"""Tensors some Hugging Face Llama folders hold that are no weights (the RoPE table)."""
+_SETTINGS = ("norm_eps", "rope_theta")
+"""The model settings a config.json sets that change the numbers but no tensor's shape."""
+
+
+def initial_load_ignored(config: CheckpointConfig, dump_folder: str | os.PathLike[str]) -> str:
+    """Why this run resumes instead of applying the initial load ("" if it applies): the
+    checkpoint it resumes from, as the :class:`CheckpointManager` will pick it."""
+    if not config.enable or config.load_step == 0:
+        return ""
+    available = complete_checkpoints(checkpoint_folder(dump_folder))
+    if not available:
+        return ""
+    step = config.load_step if config.load_step > 0 else max(available)
+    return (
+        f"resuming from step-{step} ({_KEY} ignored: the dump folder has checkpoints, "
+        f"{', '.join(f'step-{s}' for s in available)})"
+    )
+
+
+def _refuse(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{_KEY} '{path}' {why}: give a Hugging Face model folder (config.json and "
+        "model.safetensors or model.safetensors.index.json) or a plugtrain step-N checkpoint folder"
+    )
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass
+class InitialLoad:
+    """A checked initial-load source; :meth:`load` puts it into a run's model and optimizer."""
+
+    kind: str
+    """``hf`` (a Hugging Face folder) or ``plugtrain`` (a ``step-N/`` checkpoint)."""
+    path: Path
+    config: dict[str, Any]
+    """Its ``config.json``: the Hugging Face model's, or the saving run's resolved config."""
+    model_only: bool
+    files: dict[str, Path] = field(default_factory=dict)
+    """hf: each tensor's safetensors file, by Hugging Face name."""
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """The stored tensors' shapes, by name (Hugging Face's, or the DCP key)."""
+    metadata: Metadata | None = None
+    """plugtrain: the checkpoint's DCP metadata."""
+
+    def record(self) -> dict[str, Any]:
+        """What the run started from, for ``run.json``."""
+        out: dict[str, Any] = {"kind": self.kind, "path": str(self.path.resolve())}
+        if self.kind == "hf":
+            out["model"] = self.config.get("_name_or_path") or self.path.resolve().name
+        else:
+            match = STEP_DIR.fullmatch(self.path.resolve().name)
+            out["step"] = int(match[1]) if match else None
+        out["config_sha256"] = _sha256(self.path / CONFIG)
+        out["model_only"] = self.model_only
+        return out
+
+    # ------------------------------------------------------------------ checks
+
+    def check(self, model: nn.Module, args: ModelArgs, tokenizer: str) -> None:
+        """Refuse, in one line, a source that does not fit ``model`` (of shape ``args``; its
+        vocabulary is tokenizer ``tokenizer``'s): before anything is read."""
+        wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+        if self.kind == "hf":
+            self._check_hf(args)
+            stored = {self._hf_name(k, args): k for k in wanted}
+            have = {stored.get(k, k): v for k, v in self.shapes.items()}
+        else:
+            have = {k.removeprefix("model."): v for k, v in self.shapes.items()
+                    if k.startswith("model.")}  # fmt: skip
+        embedding = "tok_embeddings.weight"
+        if embedding in have and have[embedding][:1] != wanted[embedding][:1]:
+            if self.kind == "hf":
+                fix = (
+                    "use the model's own tokenizer (set model.tokenizer_path to it, or leave it "
+                    "unset for the folder's tokenizer.json)"
+                )
+            else:
+                theirs = self.config.get("model", {}).get("tokenizer_path")
+                fix = f"use the tokenizer of the run that saved it (its '{theirs}')"
+            raise CheckpointError(
+                f"tokenizer '{tokenizer}' has {wanted[embedding][0]} tokens, but the embedding of "
+                f"{_KEY} '{self.path}' has {have[embedding][0]} rows: {fix}"
+            )
+        for name, shape in wanted.items():
+            if name in have and have[name] != shape:
+                raise CheckpointError(
+                    f"{_KEY} '{self.path}' holds another model shape: tensor '{name}' is "
+                    f"{list(have[name])} there and {list(shape)} in model.flavor's model here; "
+                    "pick the model.flavor of its shape"
+                )
+        if missing := [name for name in wanted if name not in have]:
+            raise CheckpointError(
+                f"{_KEY} '{self.path}' lacks {len(missing)} tensor(s) of the model: "
+                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; use a complete "
+                "checkpoint of a model of this shape"
+            )
+        if extra := [name for name in have if name not in wanted]:
+            raise CheckpointError(
+                f"{_KEY} '{self.path}' holds tensor(s) the model has no place for: "
+                f"{', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}; pick the "
+                "model.flavor it was trained with"
+            )
+
+    def _hf_name(self, name: str, args: ModelArgs) -> str:
+        return to_hf(name, torch.empty(0), args, permute=False)[0]
+
+    def _check_hf(self, args: ModelArgs) -> None:
+        try:
+            theirs = model_args_from_hf(self.config)
+        except CheckpointError as e:  # what plugtrain's model cannot express
+            raise CheckpointError(f"{_KEY} '{self.path}': {e}") from e
+        for setting in _SETTINGS:
+            if getattr(theirs, setting) != getattr(args, setting):
+                raise CheckpointError(
+                    f"{_KEY} '{self.path}' has {setting} {getattr(theirs, setting)!r} in its "
+                    f"config.json, but model.flavor's model has {getattr(args, setting)!r}: "
+                    "pick a model.flavor with the folder's settings"
+                )
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self, model: nn.Module, optimizer: Optimizer | None, args: ModelArgs) -> None:
+        """Put the source's weights (and AdamW's state, unless ``model_only``) into ``model``
+        and ``optimizer``; every rank reads only its shards (collective for ``plugtrain``)."""
+        if optimizer is None and not self.model_only:
+            raise ValueError("loading the optimizer state needs the optimizer")
+        start = time.perf_counter()
+        if self.kind == "hf":
+            self._load_hf(model, args)
+        else:
+            self._load_plugtrain(model, optimizer)
+        logger.info(
+            "initial load from %s (%s%s, fresh start) in %.2f s",
+            self.path,
+            "Hugging Face folder" if self.kind == "hf" else "plugtrain checkpoint",
+            "" if self.model_only else ", with the optimizer state",
+            time.perf_counter() - start,
+        )
+
+    @torch.no_grad()
+    def _load_hf(self, model: nn.Module, args: ModelArgs) -> None:
+        for name, value in get_model_state_dict(model).items():
+            hf_name = self._hf_name(name, args)
+            rows = value.shape[0]
+            # Which stored row each of ours is: the q/k permutation, applied to row numbers.
+            order = from_hf(hf_name, torch.arange(rows).unsqueeze(1), args)[1].squeeze(1)
+            if isinstance(value, DTensor):
+                local_shape, offset = compute_local_shape_and_global_offset(
+                    value.shape, value.device_mesh, value.placements
+                )
+                first, count = offset[0], local_shape[0]
+                target = value.to_local()
+            else:
+                first, count, target = 0, rows, value
+            if count == 0:
+                continue
+            wanted = order[first : first + count]
+            low, high = int(wanted.min()), int(wanted.max()) + 1
+            try:
+                with safe_open(self.files[hf_name], framework="pt") as f:
+                    block = f.get_slice(hf_name)[low:high]
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
+            target.copy_(block[wanted - low].to(target.dtype))
+
+    def _load_plugtrain(self, model: nn.Module, optimizer: Optimizer | None) -> None:
+        assert self.metadata is not None
+        if self.model_only:
+            state: dict[str, Any] = {"model": get_model_state_dict(model)}
+        else:
+            assert optimizer is not None
+            model_state, optim_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": {"state": optim_state["state"]}}
+            # AdamW's lazily made state must exist in the checkpoint in every entry DCP reads.
+            missing = sorted(set(flat_keys(state)) - set(self.metadata.state_dict_metadata))
+            if missing:
+                raise CheckpointError(
+                    f"{_KEY} '{self.path}' lacks optimizer state '{missing[0]}': set "
+                    "checkpoint.initial_load_model_only = true to take its weights only"
+                )
+        try:
+            dcp.load(
+                state,
+                storage_reader=SafeFileSystemReader(self.path),
+                planner=TensorOnlyLoadPlanner(),
+            )
+        except (Exception, dcp.CheckpointException) as e:
+            raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
+        if self.model_only:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                # This run's param groups: its learning rate, betas and weight decay.
+                optim_state_dict={**optim_state, "state": state["optimizer"]["state"]},
+            )
+
+
+# ---------------------------------------------------------------------- opening a source
+
+
+def _read_json(path: Path, folder: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise _refuse(folder, f"has a damaged {path.name} ({one_line(e)})") from e
+    if not isinstance(data, dict):
+        raise _refuse(folder, f"has a damaged {path.name} (not a JSON object)")
+    return data
+
+
+def _open_hf(path: Path, config: dict[str, Any], model_only: bool) -> InitialLoad:
+    if not model_only:
+        raise CheckpointError(
+            f"{_KEY} '{path}' is a Hugging Face folder, which holds no optimizer state: set "
+            "checkpoint.initial_load_model_only = true, or give a plugtrain step-N folder"
+        )
+    if (path / HF_INDEX).is_file():
+        weight_map = _read_json(path / HF_INDEX, path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise _refuse(path, f"has a damaged {HF_INDEX} (no weight_map)")
+        names = sorted(set(weight_map.values()))
+    elif (path / HF_WEIGHTS).is_file():
+        names = [HF_WEIGHTS]
+    else:
+        raise _refuse(path, f"has no {HF_WEIGHTS} nor {HF_INDEX}")
+    files: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in names:
+        try:
+            # Opening reads and checks the header only: a truncated file fails here.
+            with safe_open(path / name, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    if not key.endswith(_IGNORED_HF):
+                        files[key] = path / name
+                        shapes[key] = tuple(f.get_slice(key).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise _refuse(path, f"has a damaged or missing {name} ({one_line(e)})") from e
+    return InitialLoad("hf", path, config, model_only, files=files, shapes=shapes)
+
+
+def _open_plugtrain(path: Path, model_only: bool) -> InitialLoad:
+    try:
+        metadata = SafeFileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise _refuse(path, f"has a damaged .metadata ({one_line(e)})") from e
+    config = _read_json(path / CONFIG, path)
+    shapes = {
+        key: tuple(md.size)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    if not model_only and not any(k.startswith("optimizer.state.") for k in shapes):
+        raise CheckpointError(
+            f"{_KEY} '{path}' holds no optimizer state (saved before the optimizer's first "
+            "step): set checkpoint.initial_load_model_only = true"
+        )
+    return InitialLoad("plugtrain", path, config, model_only, shapes=shapes, metadata=metadata)
+
+
+def open_initial_load(config: CheckpointConfig) -> InitialLoad:
+    """The checked source ``checkpoint.initial_load_path`` names (headers and metadata only
+    are read); a one-line :class:`CheckpointError` for a missing or damaged folder."""
+    path = Path(config.initial_load_path)
+    if not path.is_dir():
+        raise _refuse(path, "does not exist" if not path.exists() else "is not a folder")
+    if (path / ".metadata").is_file():
+        return _open_plugtrain(path, config.initial_load_model_only)
+    if STEP_DIR.fullmatch(path.name):
+        raise _refuse(path, "is a step-N folder without .metadata (an incomplete checkpoint)")
+    if not (path / CONFIG).is_file():
+        raise _refuse(path, "has no config.json")
+    return _open_hf(path, _read_json(path / CONFIG, path), config.initial_load_model_only)
