@@ -212,3 +212,13 @@ def test_generate(repo, tmp_path):
     # The KV cache's arithmetic is one forward's: every new token's matmuls once.
     assert flops["cached"] == pytest.approx(flops["one_forward"], rel=0.05)
     assert flops["uncached"] > 5 * flops["cached"]
+
+
+@pytest.mark.slow
+def test_initial_load(repo, tmp_path):
+    results = quick_results(repo, "initial_load", tmp_path)
+    assert [r["processes"] for r in results] == [1, 2]
+    for row in results:
+        assert row["parameters"] > 100_000 and row["baseline_rss_mib"] > 100
+        for mode in ("initial", "hold"):
+            assert row[mode]["seconds"] > 0 and row[mode]["peak_rss_mib"] > 100
