@@ -6,7 +6,8 @@ layers, 16 heads, 8 KV heads, vocab 2048), or the tiny flavor's with ``--quick``
 and on 2 processes (gloo, started by torchrun), fresh processes build the run's model as the
 trainer does (meta device, FSDP2 on 2 processes, no ``init_weights``) and:
 
-* ``none``: load nothing (the baseline: imports and the model's own memory);
+* ``none``: load nothing (the baseline: imports and the model's own memory, written once so
+  that it is resident);
 * ``initial``: ``checkpoint.initial_load_path``'s load (each rank reads its rows of each
   tensor through safetensors' slices, casts them to fp32);
 * ``hold``: the straightforward load: every rank reads the whole folder
@@ -14,9 +15,10 @@ trainer does (meta device, FSDP2 on 2 processes, no ``init_weights``) and:
   (``set_model_state_dict`` with a full state dict).
 
 Each rank reports its wall time and its peak RSS (``VmHWM``); *extra* is a mode's peak above
-the baseline's, on the rank where it is largest, to compare with the model's size.
+the baseline's (which holds the model's shard), on the rank where it is largest: what loading
+costs beyond the model itself, to compare with the model's size.
 
-    python bench/initial_load.py            # about 3 minutes; 0.6 GB of temp disk
+    python bench/initial_load.py            # 9 minutes at load 22 on 2 cores; 0.6 GB temp disk
     python bench/initial_load.py --quick    # the tiny shape: what tests/repository runs
 """
 
@@ -63,6 +65,9 @@ model = build_model(
     args, init_device_mesh("cpu", (world,)), torch.float32, torch.float32,
     torch.device("cpu"), 0, init_weights=False,
 )
+with torch.no_grad():  # resident, as in a run: to_empty's pages are not until written
+    for param in model.parameters():
+        getattr(param, "_local_tensor", param).zero_()
 dist.barrier()
 start = time.perf_counter()
 if mode == "initial":
