@@ -19,6 +19,8 @@ from plugtrain.plugin import local_tensor
 from plugtrain.testing import (
     SAMPLE,
     cross_entropy,
+    hf_llama_folder,
+    hf_llama_logits,
     make_trainer,
     read_metrics,
     run_distributed,
@@ -127,6 +129,26 @@ def _two_rank_logits(dump: str, folder: str, tokens: torch.Tensor) -> torch.Tens
     logits = _logits(trainer, tokens)
     trainer.close()
     return logits, shards
+
+
+@pytest.mark.parametrize("variant", ["tied", "scaled"])
+def test_flavor_hf_takes_the_folders_shape_tied_or_rope_scaled(tmp_path, variant):
+    """flavor hf with no hf_config takes the initial load's config.json: a tied model (no
+    lm_head in the folder) and a llama3 RoPE-scaled one give transformers' logits over 128
+    positions, twice the scaled variant's original context."""
+    folder = hf_llama_folder(tmp_path / variant, variant)
+    trainer = make_trainer(
+        tmp_path / "run",
+        *("--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder)),
+        *("--model.tokenizer_path", "", "--training.seq_len", "128"),
+    )
+    assert trainer.config.model.hf_config == str(folder)
+    assert trainer.model_args.tie_embeddings == (variant == "tied")
+    assert (trainer.model_args.rope_scaling is not None) == (variant == "scaled")
+    text = json.loads((SAMPLE / "validation.jsonl").read_text().splitlines()[0])["text"]
+    tokens = torch.tensor(Tokenizer.from_file(TOKENIZER).encode(text)[:128]).unsqueeze(0)
+    assert (_logits(trainer, tokens) - hf_llama_logits(folder, tokens)).abs().max() < 1e-5
+    trainer.close()
 
 
 @pytest.mark.slow

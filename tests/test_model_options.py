@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from plugtrain.checkpoint import export_checkpoint, read_checkpoint
-from plugtrain.config import ModelConfig
+from plugtrain.config import JobConfig, ModelConfig
 from plugtrain.errors import ConfigError
 from plugtrain.model import (
     KVCache,
@@ -134,7 +134,6 @@ def test_the_config_keys_make_the_model_args():
         ({"rope_scaling": "llama3", "rope_high_freq_factor": 0.5}, "'rope_scaling' is unusable"),
         ({"ffn_dim": 0}, "'ffn_dim' must be >= 1"),
         ({"hf_config": "x.json"}, "'hf_config' is set, but flavor is 'debug'"),
-        ({"flavor": "hf"}, "'hf_config' is empty"),
         ({"flavor": "hf", "hf_config": "x", "tie_embeddings": True}, "config.json sets the"),
     ],
 )
@@ -142,6 +141,12 @@ def test_bad_model_keys_are_one_line(keys, message):
     with pytest.raises(ConfigError, match=message) as e:
         ModelConfig(**keys)
     assert "\n" not in str(e.value)
+
+
+def test_flavor_hf_needs_a_config_json_or_an_hf_initial_load():
+    with pytest.raises(ConfigError, match=r"'model\.hf_config' is empty") as e:
+        JobConfig(model=ModelConfig(flavor="hf"))
+    assert "checkpoint.initial_load_path" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.slow

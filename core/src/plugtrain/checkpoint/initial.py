@@ -63,7 +63,7 @@ HF_WEIGHTS = "model.safetensors"
 _KEY = "checkpoint.initial_load_path"
 _IGNORED_HF = ("rotary_emb.inv_freq",)
 """Tensors some Hugging Face Llama folders hold that are no weights (the RoPE table)."""
-_SETTINGS = ("norm_eps", "rope_theta")
+_SETTINGS = ("norm_eps", "rope_theta", "rope_scaling", "tie_embeddings")
 """The model settings a config.json sets that change the numbers but no tensor's shape."""
 
 
@@ -182,7 +182,7 @@ class InitialLoad:
                 raise CheckpointError(
                     f"{_KEY} '{self.path}' has {setting} {getattr(theirs, setting)!r} in its "
                     f"config.json, but model.flavor's model has {getattr(args, setting)!r}: "
-                    "pick a model.flavor with the folder's settings"
+                    'set model.flavor = "hf" to take the folder\'s own shape'
                 )
 
     # ------------------------------------------------------------------ loading
