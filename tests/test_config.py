@@ -125,6 +125,20 @@ def test_unions_take_the_first_member_that_accepts_the_value():
         (["--steps", "3"], "argument '--steps' must be --section.key"),
         (["--config", "/nonexistent.toml"], "config file '/nonexistent.toml' not found"),
         (["--optimizer.lr", "inf"], "config key 'optimizer.lr' must be finite and > 0, got inf"),
+        (
+            ["--lr_scheduler.decay_type", "wsd"],
+            "config key 'lr_scheduler.decay_steps' must be set when decay_type is 'wsd'",
+        ),
+        (
+            ["--lr_scheduler.decay_type", "wsd", "--lr_scheduler.decay_steps", "181"],
+            "config keys 'lr_scheduler.warmup_steps' (20) + 'lr_scheduler.decay_steps' (181) "
+            "exceed 'training.steps' (200): lower them or raise training.steps",
+        ),
+        (
+            ["--lr_scheduler.decay_steps", "50"],
+            "config key 'lr_scheduler.decay_steps' applies to decay_type 'wsd' only, but "
+            "decay_type is 'cosine': remove decay_steps or set decay_type = 'wsd'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(argv, message):

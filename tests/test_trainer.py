@@ -11,10 +11,11 @@ import torch
 
 from plugtrain.checkpoint.rng import rng_state, seed_generators
 from plugtrain.config import LRSchedulerConfig
+from plugtrain.observability import CostCounter
 from plugtrain.plugin import hookimpl
 from plugtrain.testing import make_trainer, read_metrics, tiny_args
 from plugtrain.training.launch import configure
-from plugtrain.training.optim import lr_factor
+from plugtrain.training.optim import LRSchedule, lr_factor
 from plugtrain.training.trainer import Trainer
 
 
@@ -120,6 +121,56 @@ def test_lr_schedule_warms_up_then_decays(decay, expected):
     cfg = LRSchedulerConfig(warmup_steps=2, decay_type=decay, min_lr_ratio=0.1)
     got = [lr_factor(torch.tensor(step), cfg, total_steps=4).item() for step in range(6)]
     assert got == pytest.approx(expected)
+
+
+WSD_SHAPES = {
+    "1-sqrt": lambda p: 1.0 - math.sqrt(p),
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1.0 + math.cos(math.pi * p)),
+}
+
+
+def wsd_factor(step: int, shape: str, warmup: int, decay: int, total: int, floor: float) -> float:
+    """The warmup-stable-decay factor written out, in Python's float64."""
+    if step < warmup:
+        return (step + 1.0) / warmup
+    progress = min(max((step - (total - decay)) / decay, 0.0), 1.0)
+    return floor + (1.0 - floor) * WSD_SHAPES[shape](progress)
+
+
+@pytest.mark.parametrize("shape", WSD_SHAPES)
+def test_wsd_warms_up_stays_at_the_peak_then_decays_over_its_last_steps(shape):
+    warmup, decay, total, floor = 3, 8, 16, 0.1
+    cfg = LRSchedulerConfig(
+        warmup_steps=warmup, decay_type="wsd", decay_steps=decay, decay_shape=shape,
+        min_lr_ratio=floor,
+    )  # fmt: skip
+    got = [lr_factor(torch.tensor(s), cfg, total_steps=total).item() for s in range(total + 2)]
+    want = [wsd_factor(s, shape, warmup, decay, total, floor) for s in range(total + 2)]
+    # Exact but for torch's float64 sqrt and cos on CPU, which may be 1 ulp off math's.
+    assert got == (want if shape == "linear" else pytest.approx(want, rel=0, abs=1e-15))
+    first, last = total - decay, total - 1  # the steps after `first` and `last` applied ones
+    assert got[warmup : first + 1] == [1.0] * (first + 1 - warmup)  # stable; decay's first step
+    assert got[first + 1] < 1.0
+    assert got[last] == pytest.approx(floor + (1 - floor) * WSD_SHAPES[shape](7 / 8), abs=1e-15)
+    assert got[last] > floor
+    assert got[total:] == [floor, floor]
+
+
+def test_a_vetoed_step_leaves_the_wsd_schedule_where_it_was():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([param], lr=torch.tensor(0.5), fused=True)
+    cfg = LRSchedulerConfig(warmup_steps=0, decay_type="wsd", decay_steps=4, min_lr_ratio=0.0)
+    schedule = LRSchedule(optimizer, cfg, total_steps=4)
+    lrs = []
+    with CostCounter() as costs:
+        for applied in [True, False, True, False, False, True]:
+            schedule.step(torch.tensor(applied))
+            lrs.append(schedule.last_lr().clone())
+    assert costs.sync_sites.total() == 0, costs.sync_sites  # tensors only: no host read
+    factors = [wsd_factor(s, "1-sqrt", 0, 4, 4, 0.0) for s in (1, 1, 2, 2, 2, 3)]
+    assert [lr.item() for lr in lrs] == [torch.tensor(0.5 * f).item() for f in factors]
+    assert int(schedule.applied_steps) == 3
 
 
 def test_cosine_is_halfway_at_half_the_decay():

@@ -210,10 +210,18 @@ class LRSchedulerConfig:
 
     warmup_steps: int = 20
     """Steps of linear warmup from ~0 to ``optimizer.lr``."""
-    decay_type: Literal["cosine", "linear", "constant"] = "cosine"
-    """Shape of the decay from the peak to ``min_lr_ratio * lr`` at ``training.steps``."""
+    decay_type: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """Shape of the decay from the peak to ``min_lr_ratio * lr`` at ``training.steps``:
+    ``cosine`` and ``linear`` decay from the end of the warmup on, ``constant`` stays at the
+    peak; ``wsd`` (warmup-stable-decay) stays at the peak, then decays over the last
+    ``decay_steps`` steps, shaped by ``decay_shape``."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of the peak."""
+    decay_steps: int | None = None
+    """``wsd`` only (and required there): the number of final steps the decay lasts."""
+    decay_shape: Literal["1-sqrt", "linear", "cosine"] = "1-sqrt"
+    """``wsd`` only: the decay's shape over its progress p from 0 to 1: ``1 - sqrt(p)``,
+    ``1 - p`` or ``(1 + cos(pi p)) / 2``."""
 
     def __post_init__(self) -> None:
         check_field(
@@ -226,6 +234,21 @@ class LRSchedulerConfig:
             "min_lr_ratio",
             f"must be in [0, 1], got {self.min_lr_ratio}",
         )
+        if self.decay_type != "wsd":
+            check_field(
+                self.decay_steps is None,
+                "decay_steps",
+                f"applies to decay_type 'wsd' only, but decay_type is '{self.decay_type}': "
+                "remove decay_steps or set decay_type = 'wsd'",
+            )
+            return
+        check_field(
+            self.decay_steps is not None,
+            "decay_steps",
+            "must be set when decay_type is 'wsd': the number of final steps the learning "
+            "rate decays over",
+        )
+        check_field(self.decay_steps >= 1, "decay_steps", f"must be >= 1, got {self.decay_steps}")
 
 
 @dataclass
@@ -420,6 +443,13 @@ class JobConfig:
                     " (or set checkpoint.initial_load_path to a Hugging Face folder)"
                 )
             self.model.hf_config = initial
+        lr, steps = self.lr_scheduler, self.training.steps
+        if lr.decay_type == "wsd" and lr.warmup_steps + lr.decay_steps > steps:
+            raise ConfigError(
+                f"config keys 'lr_scheduler.warmup_steps' ({lr.warmup_steps}) + "
+                f"'lr_scheduler.decay_steps' ({lr.decay_steps}) exceed 'training.steps' "
+                f"({steps}): lower them or raise training.steps"
+            )
 
     def plugin(self, name: str) -> Any:
         """The config section of plugin ``name``."""

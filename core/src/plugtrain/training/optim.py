@@ -1,4 +1,4 @@
-"""The optimizer and its schedule: fused AdamW, warmup then decay, all on the device.
+"""The optimizer and its schedule: fused AdamW, warmup then decay (or WSD), all on the device.
 
 The schedule never reads the device: the learning rate is a tensor in the optimizer's param
 group, and it is computed on the device from the number of optimizer steps actually applied,
@@ -9,6 +9,7 @@ device still leaves the schedule where it was, without a host sync.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,23 +38,33 @@ def build_optimizer(
     )
 
 
+_SHAPES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "cosine": lambda p: 0.5 * (1.0 + torch.cos(math.pi * p)),
+    "linear": lambda p: 1.0 - p,
+    "1-sqrt": lambda p: 1.0 - torch.sqrt(p),
+    "constant": torch.ones_like,
+}
+"""Each decay's shape: from 1 to 0 over the decay's progress from 0 to 1 (``constant``: 1)."""
+
+
 def lr_factor(step: torch.Tensor, cfg: LRSchedulerConfig, total_steps: int) -> torch.Tensor:
     """The multiplier of the peak LR for the optimizer step that follows ``step`` applied steps.
 
     Warmup rises linearly to 1 at the end of ``cfg.warmup_steps``; then the factor decays to
-    ``cfg.min_lr_ratio`` at ``total_steps`` and stays there. Computed in float64 on ``step``'s
-    device, with tensor operations only.
+    ``cfg.min_lr_ratio`` at ``total_steps`` and stays there: from the end of the warmup on, or,
+    for ``wsd``, over the last ``cfg.decay_steps`` steps only (shaped by ``cfg.decay_shape``),
+    after a stable phase at the peak. Computed in float64 on ``step``'s device, with tensor
+    operations only.
     """
     s = step.to(torch.float64)
     warmup = cfg.warmup_steps
-    progress = ((s - warmup) / max(1, total_steps - warmup)).clamp(0.0, 1.0)
-    if cfg.decay_type == "cosine":
-        decay = 0.5 * (1.0 + torch.cos(math.pi * progress))
-    elif cfg.decay_type == "linear":
-        decay = 1.0 - progress
+    if cfg.decay_type == "wsd":
+        assert cfg.decay_steps is not None  # the config requires it
+        start, length, shape = total_steps - cfg.decay_steps, cfg.decay_steps, cfg.decay_shape
     else:
-        decay = torch.ones_like(progress)
-    factor = cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
+        start, length, shape = warmup, max(1, total_steps - warmup), cfg.decay_type
+    progress = ((s - start) / length).clamp(0.0, 1.0)
+    factor = cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * _SHAPES[shape](progress)
     if warmup:
         factor = torch.where(s < warmup, (s + 1.0) / warmup, factor)
     return factor
