@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-from tokenizers import models, processors
+from tokenizers import decoders, models, normalizers, processors
 
 from plugtrain.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
 from plugtrain.testing import SAMPLE
@@ -41,6 +41,37 @@ def test_special_ids_and_vocab_size(tok: Tokenizer) -> None:
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 2048)
     assert tok.decode([tok.bos_id, tok.eos_id]) == BOS_TOKEN + EOS_TOKEN
     assert tok.decode([tok.bos_id, tok.eos_id], skip_special_tokens=True) == ""
+
+
+def test_byte_lengths_of_a_byte_level_bpe_sum_to_the_texts_utf8_bytes(tok: Tokenizer) -> None:
+    lengths = tok.token_byte_lengths()
+    assert len(lengths) == tok.vocab_size
+    assert lengths[tok.bos_id] == lengths[tok.eos_id] == 0  # special tokens stand for no text
+    text = "naïve café — 東京 🎭\t\r\n" + LINE  # characters split over several tokens
+    ids = tok.encode(text)
+    assert len(ids) > len(text.encode()) / 4 and max(lengths[i] for i in ids) > 1
+    assert sum(lengths[i] for i in ids) == len(text.encode())
+
+
+def test_byte_lengths_of_a_sentencepiece_style_bpe() -> None:
+    """Llama 2's layout: a leading space added, "▁" for spaces, byte-fallback tokens."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    vocab.update({piece: len(vocab) + i for i, piece in enumerate(["▁", "t", "h", "é", "▁th"])})
+    raw = tokenizers.Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    raw.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0),
+    ])  # fmt: skip
+    raw.add_special_tokens([BOS_TOKEN, EOS_TOKEN])
+    tok = Tokenizer(raw)
+    text = "th thé 日"
+    ids, lengths = tok.encode(text), tok.token_byte_lengths()
+    assert tok.decode(ids) == text
+    assert [lengths[i] for i in ids] == [1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1]
+    # The dummy prefix (the leading "▁" the normalizer adds) counts as the space it stands for
+    assert sum(lengths[i] for i in ids) == len(text.encode()) + 1
+    assert lengths[vocab["▁th"]] == 3 and lengths[tok.eos_id] == 0
 
 
 def test_encode_batch_matches_encode(tok: Tokenizer) -> None:

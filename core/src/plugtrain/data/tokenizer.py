@@ -8,17 +8,22 @@ name their special tokens ``<|begin_of_text|>`` and ``<|end_of_text|>``, so eith
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
+from tokenizers import pre_tokenizers
 
 from plugtrain import sample
 from plugtrain.errors import DataError, MissingFileError
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+"""A byte-fallback token's string (SentencePiece-style BPE): one byte."""
 
 
 def _fix() -> str:
@@ -90,3 +95,41 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are kept (visible document boundaries) by default."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_byte_lengths(self) -> list[int]:
+        """The UTF-8 bytes of text each id stands for, by id: what bits per byte divide by.
+
+        Summed over a text's ids, they give the bytes of the text as the tokenizer saw it (after
+        its normalizer, if it has one). Special tokens stand for no text: 0. A byte-level BPE
+        token (GPT-2's, Llama 3's, the sample's) stands for one byte per character of its
+        vocabulary string, so that a character split over several tokens counts once, with its
+        own length; a byte-fallback token (``<0xE2>``) for 1. Any other token stands for the
+        bytes its decoding adds after the same token, so that a decoder's rule for a text's
+        first token (SentencePiece drops its leading space) does not apply.
+        """
+        spec = json.loads(self._tokenizer.to_str())
+        decoder = spec.get("decoder") or {}
+        byte_level = "ByteLevel" in {d.get("type") for d in decoder.get("decoders", [decoder])}
+        byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+        alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+        added = self._tokenizer.get_added_tokens_decoder()
+        lengths: list[int | None] = []
+        for i in range(self.vocab_size):
+            token, text = added.get(i), self._tokenizer.id_to_token(i)
+            if token is not None:
+                lengths.append(0 if token.special else len(token.content.encode()))
+            elif text is None:
+                lengths.append(0)  # an id with no token: never in the data
+            elif byte_level and set(text) <= alphabet:
+                lengths.append(len(text))
+            elif byte_fallback and _BYTE_TOKEN.fullmatch(text):
+                lengths.append(1)
+            else:
+                lengths.append(None)
+        rest = [i for i, n in enumerate(lengths) if n is None]
+        if rest:
+            twice = self._tokenizer.decode_batch([[i, i] for i in rest], skip_special_tokens=False)
+            once = self._tokenizer.decode_batch([[i] for i in rest], skip_special_tokens=False)
+            for i, two, one in zip(rest, twice, once, strict=True):
+                lengths[i] = len(two.encode()) - len(one.encode())
+        return [n or 0 for n in lengths]
