@@ -39,6 +39,7 @@ def losses(dump_folder) -> list[float]:
 
 def test_two_processes_match_one_process_of_the_same_global_batch(tmp_path, train_py):
     args = ["--training.steps", "6", "--training.batch_size", "8"]
+    args += ["--validation.interval", "6", "--validation.steps", "2"]
     one = run_script(train_py, [*tiny_args(tmp_path / "one"), *args])
     assert one.returncode == 0, one.stderr
     two = run_script(train_py, [*tiny_args(tmp_path / "two"), *args], nproc=2)
@@ -47,6 +48,10 @@ def test_two_processes_match_one_process_of_the_same_global_batch(tmp_path, trai
     assert len(l1) == len(l2) == 6
     assert l2 == pytest.approx(l1, rel=1e-5, abs=1e-5)
     assert l1[0] != l1[-1]
+    (v1,), (v2,) = ([r for r in read_metrics(tmp_path / n) if "validation_loss" in r]
+                    for n in ("one", "two"))  # fmt: skip
+    assert set(v1) == set(v2) == {"step", "validation_loss", "validation_bpb"}
+    assert v2 == pytest.approx(v1, rel=1e-6)  # the same batches, split over the ranks
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -116,10 +116,15 @@ def test_each_offered_weight_set_is_validated_between_the_hooks_and_swapped_back
     swapped = train(tmp_path / "swapped", *VALIDATION, plugins=[("zero", swap)])
     records = [r for r in read_metrics(tmp_path / "swapped") if "validation_loss" in r]
     plain_records = [r for r in read_metrics(tmp_path / "plain") if "validation_loss" in r]
-    assert [set(r) for r in records] == [{"step", "validation_loss", "zeros/validation_loss"}] * 2
-    # Zero weights give zero logits: the loss is log(vocabulary) whatever FSDP2 kept gathered.
+    keys = {"validation_loss", "validation_bpb"}
+    assert [set(r) for r in records] == [{"step", *keys, *(f"zeros/{k}" for k in keys)}] * 2
+    # Zero weights give zero logits: the loss is log(vocabulary) whatever FSDP2 kept gathered,
+    # and the bits per byte are log2(vocabulary) over the bytes per token.
     for record in records:
         assert record["zeros/validation_loss"] == pytest.approx(math.log(2048), abs=1e-5)
+        bytes_per_token = 11 / record["zeros/validation_bpb"]
+        ratio = record["validation_loss"] / record["validation_bpb"] / math.log(2)
+        assert ratio == pytest.approx(bytes_per_token, rel=1e-5)  # the same batches' bytes
     assert [r["validation_loss"] for r in records] == [r["validation_loss"] for r in plain_records]
     losses = [r["loss"] for r in read_metrics(tmp_path / "swapped") if "loss" in r]
     assert losses == [r["loss"] for r in read_metrics(tmp_path / "plain") if "loss" in r]

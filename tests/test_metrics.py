@@ -89,7 +89,7 @@ def test_step_records_hold_the_documented_fields_with_sane_values(recorded):
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
     validation = [r for r in records if "validation_loss" in r]
     assert [(set(r), r["step"]) for r in validation] == [
-        ({"step", "validation_loss"}, s) for s in (10, 20, 30)
+        ({"step", "validation_loss", "validation_bpb"}, s) for s in (10, 20, 30)
     ]
     assert validation[-1]["validation_loss"] < validation[0]["validation_loss"]
 
@@ -121,6 +121,7 @@ def test_tensorboard_events_read_back_equal_the_jsonl(recorded):
     tags = set(events.Tags()["scalars"])
     assert tags == (STEP_KEYS - {"step"}) | {
         "hook_recorder/vetoed_steps", "skipped_steps.hook_recorder", "validation_loss",
+        "validation_bpb",
     }  # fmt: skip
     for tag in ("loss", "validation_loss", "tokens_per_sec", "skipped_steps.hook_recorder"):
         expected = [(r["step"], r[tag]) for r in records if tag in r]
@@ -269,9 +270,10 @@ def test_console_line_format():
     assert format_line({**quiet, "skipped_steps": 0}, shown=SHOWN) == LINE.replace(
         "mfu 41.2%", "tflops 0.0213"
     ).replace(" | skipped 2 (grad_scaler 2)", "")
-    validation = {"step": 50, "validation_loss": 4.75, "ema/validation_loss": 4.8}
+    validation = {"step": 50, "validation_loss": 4.75, "validation_bpb": 2.01}
+    validation |= {"ema/validation_loss": 4.8, "ema/validation_bpb": 2.03}
     assert format_line(validation, shown={"ema/validation_loss": False}) == (
-        "step    50 | validation_loss 4.7500 | ema/validation_loss 4.8000"
+        "step    50 | validation_loss 4.7500 | validation_bpb 2.0100 | ema/validation_loss 4.8000"
     )
 
 
@@ -328,7 +330,8 @@ def test_with_every_shipped_plugin_the_console_is_short_and_names_each_value(
             rounding = pytest.approx(expected, rel=5e-3, abs=last_digit)
             assert float(number) == rounding, (key, line)
             shown.add(key)
-    assert {"grad_clip/grad_norm", "grad_scaler/loss_scale", "ema/validation_loss"} <= shown
+    shown_always = {"validation_bpb", "grad_clip/grad_norm", "grad_scaler/loss_scale"}
+    assert shown_always | {"ema/validation_loss"} <= shown
     assert not any(k.startswith("spike_guard/") for k in shown)  # no rewind in this run
     assert len(set(CONSOLE_SHORT_FORMS.values())) == len(CONSOLE_SHORT_FORMS)  # one-to-one
 

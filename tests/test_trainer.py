@@ -8,9 +8,11 @@ import random
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from plugtrain.checkpoint.rng import rng_state, seed_generators
 from plugtrain.config import LRSchedulerConfig
+from plugtrain.data import iter_eval_batches
 from plugtrain.observability import CostCounter
 from plugtrain.plugin import hookimpl
 from plugtrain.testing import make_trainer, read_metrics, tiny_args
@@ -47,6 +49,27 @@ def test_validation_loss_is_logged_on_schedule(tmp_path):
     val = [r for r in records if "validation_loss" in r]
     assert [r["step"] for r in val] == [2, 4]
     assert all(math.isfinite(r["validation_loss"]) and r["validation_loss"] > 0 for r in val)
+
+
+def test_validation_bpb_is_the_summed_loss_in_bits_over_the_targets_bytes(tmp_path):
+    trainer = make_trainer(tmp_path, "--validation.interval", "1", "--validation.steps", "2")
+    got = trainer.validate()
+    nats, num_bytes, num_tokens = 0.0, 0, 0
+    with torch.no_grad():
+        for inputs, targets in iter_eval_batches(
+            trainer.val_data, batch_size=4, rank=0, world_size=1, max_batches=2
+        ):
+            logits = trainer.model(inputs).double().flatten(0, 1)
+            nats += F.cross_entropy(logits, targets.flatten(), reduction="sum").item()
+            num_tokens += targets.numel()
+            # The text each row's targets stand for (ASCII here, so rows split no character)
+            rows = targets.tolist()
+            texts = (trainer.tokenizer.decode(r, skip_special_tokens=True) for r in rows)
+            num_bytes += sum(len(text.encode()) for text in texts)
+    trainer.close()
+    assert num_tokens < num_bytes < 8 * num_tokens
+    assert got["validation_bpb"] == pytest.approx(nats / (math.log(2) * num_bytes), rel=1e-6)
+    assert got["validation_loss"] == pytest.approx(nats / num_tokens, rel=1e-6)
 
 
 class Draws:

@@ -205,7 +205,8 @@ def test_validation_on_the_average_equals_a_model_loaded_from_the_export(tmp_pat
                            steps=3)  # fmt: skip
     trainer.run()
     [record] = [r for r in read_metrics(tmp_path / "run") if "validation_loss" in r]
-    assert set(record) == {"step", "validation_loss", "ema/validation_loss"}
+    keys = {"validation_loss", "validation_bpb"}
+    assert set(record) == {"step", *keys, *(f"ema/{k}" for k in keys)}
     assert record["ema/validation_loss"] != record["validation_loss"]
     export = tmp_path / "run" / "checkpoints" / "step-3" / "ema"
     assert (export / ".metadata").is_file()
@@ -215,7 +216,7 @@ def test_validation_on_the_average_equals_a_model_loaded_from_the_export(tmp_pat
     ema = trainer.host.get(NAME)
     for p, (name, average) in zip(fresh.model.parameters(), ema.average.items(), strict=True):
         assert torch.equal(full(p.detach()), full(average)), name
-    assert fresh.validate() == {"validation_loss": record["ema/validation_loss"]}
+    assert fresh.validate() == {k: record[f"ema/{k}"] for k in keys}
     fresh.close()
 
 

@@ -34,12 +34,18 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (
 ================================  ============================================================
 
 Throughput and times are means over the steps since the previous logged step. Validation writes
-records of their own: ``{"step": 50, "validation_loss": 4.75, "ema/validation_loss": 4.81}``,
-plus what plugins add (``ValidationContext.metrics``), which may be text (``"samples/0": "ROMEO:
-..."``). A run resumed from a checkpoint first cuts the file back to the checkpoint's step, so
-that its records continue it as if the run had never stopped. A run without checkpoints started
-again in the same folder appends from step 1, so a step may appear twice; readers keep the last
-record of a step (``plugtrain plot`` does).
+records of their own: ``{"step": 50, "validation_loss": 4.75, "validation_bpb": 2.01,
+"ema/validation_loss": 4.81, "ema/validation_bpb": 2.04}``, plus what plugins add
+(``ValidationContext.metrics``), which may be text (``"samples/0": "ROMEO: ..."``).
+``validation_bpb``, bits per byte, compares across tokenizers: the loss summed over every target
+token of the validation batches, in bits, over the UTF-8 bytes of text those tokens stand for
+(``Tokenizer.token_byte_lengths``: special tokens such as ``<|end_of_text|>`` stand for 0 bytes
+but their loss counts; a SentencePiece tokenizer's leading space counts 1 byte per document).
+
+A run resumed from a checkpoint first cuts the file back to the checkpoint's step, so that its
+records continue it as if the run had never stopped. A run without checkpoints started again in
+the same folder appends from step 1, so a step may appear twice; readers keep the last record of
+a step (``plugtrain plot`` does).
 
 Sinks: the JSONL file (always), TensorBoard (``[metrics] enable_tensorboard``, event files in
 ``<dump_folder>/tensorboard``) and Weights & Biases (``[metrics] enable_wandb``; set
@@ -103,6 +109,7 @@ CONSOLE_SHORT_FORMS = {
 _LEADING = (
     ("loss", "{:.4f}", "cyan"),
     ("validation_loss", "{:.4f}", "magenta"),
+    ("validation_bpb", "{:.4f}", "magenta"),
 )
 _TRAILING = (
     ("lr", "{:.2e}", ""),
