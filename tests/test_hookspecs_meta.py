@@ -24,7 +24,8 @@ def test_the_contract_declares_the_hooks_the_trainer_fires():
     assert HOOKS == [
         "config_section", "wrap_model", "compile_model", "setup", "loss_terms",
         "pre_backward", "unscale_gradients", "observe_gradients", "post_backward", "pre_step",
-        "post_step", "step_metrics", "validation_weights", "pre_validation", "post_validation",
+        "post_step", "step_metrics", "validation_weights", "pre_validation", "validation_metrics",
+        "post_validation",
         "state_dict", "load_state_dict", "checkpoint_saved", "checkpoint_loaded",
     ]  # fmt: skip
 

@@ -110,12 +110,36 @@ class ZeroWeights:
                 local_tensor(p).copy_(saved)
 
 
+class WeightProbe:
+    """Reports, at each validation pass, the sum of the magnitudes of the weights in place."""
+
+    def __init__(self) -> None:
+        self.params: tuple = ()
+
+    @hookimpl
+    def setup(self, ctx: SetupContext) -> None:
+        self.params = tuple(ctx.model.parameters())
+
+    @hookimpl
+    def validation_metrics(self, ctx: ValidationContext) -> dict[str, torch.Tensor | str]:
+        magnitude = sum(local_tensor(p).abs().sum() for p in self.params)
+        return {"magnitude": magnitude, "weights": str(ctx.weights)}
+
+
 def test_each_offered_weight_set_is_validated_between_the_hooks_and_swapped_back(tmp_path):
     plain = train(tmp_path / "plain", *VALIDATION)
     swap = ZeroWeights()
-    swapped = train(tmp_path / "swapped", *VALIDATION, plugins=[("zero", swap)])
+    # The probe registered first and last: it measures each pass's weights either way.
+    probes = [("a_probe", WeightProbe()), ("zero", swap), ("z_probe", WeightProbe())]
+    swapped = train(tmp_path / "swapped", *VALIDATION, plugins=probes)
     records = [r for r in read_metrics(tmp_path / "swapped") if "validation_loss" in r]
     plain_records = [r for r in read_metrics(tmp_path / "plain") if "validation_loss" in r]
+    for record in records:
+        for probe in ("a_probe", "z_probe"):
+            assert record.pop(f"zeros/{probe}/magnitude") == 0  # the zero set was in place
+            assert record.pop(f"{probe}/magnitude") > 0
+            assert record.pop(f"{probe}/weights") == "None"
+            assert record.pop(f"zeros/{probe}/weights") == "zeros"
     keys = {"validation_loss", "validation_bpb"}
     assert [set(r) for r in records] == [{"step", *keys, *(f"zeros/{k}" for k in keys)}] * 2
     # Zero weights give zero logits: the loss is log(vocabulary) whatever FSDP2 kept gathered,

@@ -21,8 +21,9 @@ A training step fires, in this order::
     step_metrics             # on logging steps only
 
 Outside the step: ``validation_weights``, then ``pre_validation`` -> evaluate ->
-``post_validation`` once per weight set, when validation is due; ``checkpoint_saved`` once a
-checkpoint is complete and ``checkpoint_loaded`` once a run has resumed from one.
+``validation_metrics`` -> ``post_validation`` once per weight set, when validation is due;
+``checkpoint_saved`` once a checkpoint is complete and ``checkpoint_loaded`` once a run has
+resumed from one.
 
 Ordering rules:
 
@@ -100,6 +101,7 @@ RESULT_HOOKS = (
     "pre_step",
     "step_metrics",
     "validation_weights",
+    "validation_metrics",
     "state_dict",
 )
 """The hooks whose answers the trainer receives by plugin name (see the module docstring)."""
@@ -281,6 +283,22 @@ def pre_validation(ctx: ValidationContext) -> None:
     resharded between passes, so the pass evaluates exactly the shards as they are now. A
     plugin may run forwards of its own here (every rank alike: the ``samples`` plugin
     generates text) and report values in ``ctx.metrics``, as ``post_validation`` may.
+    """
+
+
+@hookspec
+def validation_metrics(ctx: ValidationContext) -> Mapping[str, float | str | torch.Tensor] | None:
+    """Return values measured on the weights of this validation pass, ``{"cloze/acc": 0.31}``.
+
+    Fires once per weight set each time validation is due, after the pass's loss is computed
+    (``ctx.loss``) and before ``post_validation``: whatever order the plugins are in, the
+    weights of the pass (``ctx.weights``) are in the model, so a plugin evaluates them in place
+    (the ``downstream_eval`` plugin scores tasks here). Every rank calls it: forwards and
+    collectives are allowed, alike on every rank, and the values (numbers, 0-d tensors read
+    once, or text) must be the same on every rank. They join the pass's record in
+    ``metrics.jsonl`` as ``<plugin name>/<key>`` for the model's own weights and ``<weights
+    name>/<plugin name>/<key>`` for a weight set a plugin offered (``ema/downstream_eval/...``);
+    the console shows those the plugin named with ``ctx.show_on_console``.
     """
 
 

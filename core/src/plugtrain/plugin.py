@@ -282,7 +282,8 @@ class ValidationContext:
     metrics: dict[str, float | str] = field(default_factory=dict)
     """Values a plugin adds to this pass's record in ``metrics.jsonl`` (numbers or text), keyed
     ``<plugin name>/<key>`` (``samples/0``): set them in either hook, on every rank (rank 0
-    writes them). Text goes to TensorBoard as text."""
+    writes them). Text goes to TensorBoard as text. Values measured on the pass's weights are
+    better returned from ``validation_metrics``, which names them per weight set."""
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

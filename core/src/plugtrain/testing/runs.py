@@ -219,6 +219,10 @@ class HookLog:
         self._log("pre_validation", ctx)
         return (yield)
 
+    @hookimpl
+    def validation_metrics(self, ctx: ValidationContext) -> None:
+        self._log("validation_metrics", ctx)
+
     @hookimpl(wrapper=True)
     def post_validation(self, ctx: ValidationContext) -> Iterator[None]:
         self._log("post_validation", ctx)

@@ -460,17 +460,28 @@ class Trainer:
         """The validation losses: ``validation_loss`` and ``validation_bpb`` on the model's
         weights, then ``<name>/validation_loss`` and ``<name>/validation_bpb`` for each weight set
         a plugin offers (``validation_weights``), each pass between ``pre_validation`` and
-        ``post_validation``; and the values plugins add (``ValidationContext.metrics``)."""
+        ``post_validation``; and the values plugins report: ``validation_metrics``
+        (``<plugin>/<key>``, ``<name>/<plugin>/<key>`` for a weight set) and
+        ``ValidationContext.metrics``."""
         offered = self.host.results("validation_weights").values()
         losses: dict[str, float | str] = {}
         for weights in [None, *(name for names in offered for name in names)]:
             ctx = ValidationContext(self.step, weights)
             self.hook.pre_validation(ctx=ctx)
             ctx.loss, bpb = self._validation_loss()
+            # While the pass's weights are in place, whatever order the plugins are in.
+            metrics = self.host.results("validation_metrics", ctx=ctx)
             self.hook.post_validation(ctx=ctx)
             prefix = "" if weights is None else f"{weights}/"
             losses[f"{prefix}validation_loss"] = ctx.loss
             losses[f"{prefix}validation_bpb"] = bpb
+            for plugin, values in metrics.items():
+                losses.update(
+                    {
+                        f"{prefix}{plugin}/{key}": v if isinstance(v, str) else to_number(v)
+                        for key, v in values.items()
+                    }
+                )
             losses.update(ctx.metrics)
         return losses
 
