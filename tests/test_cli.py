@@ -34,6 +34,7 @@ def test_help_keeps_each_command_on_its_own_line(capsys):
         ["plugtrain", "estimate"],
         ["plugtrain", "export-hf"],
         ["plugtrain", "generate"],
+        ["plugtrain", "eval"],
     ]
 
 

@@ -7,6 +7,7 @@
   plugtrain estimate CONFIG [--gpus N] [--section.key VALUE ...]  # memory each GPU needs
   plugtrain export-hf PATH -o OUT [--dtype bfloat16] [--weights model|ema]  # Hugging Face folder
   plugtrain generate PATH --prompt TEXT                        # what a saved model writes
+  plugtrain eval PATH --tasks FILE [FILE ...] [-o scores.json]  # downstream tasks' accuracy
 
 With no arguments, plugtrain train trains the debug model on the Shakespeare sample shipped
 with plugtrain; --config debug names the shipped configs/debug.toml.
@@ -161,6 +162,46 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def evaluate(args: argparse.Namespace) -> int:
+    """Run ``plugtrain eval`` (its module, and the model loaders, load only here)."""
+    from plugtrain.eval_command import run
+
+    return run(args)
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="score multiple-choice tasks (acc, acc_norm) on a saved model",
+        description="Score the multiple-choice tasks of JSONL files ({context, choices, gold}, "
+        "or HellaSwag's own validation file) on the model of a run's dump folder (its latest "
+        "checkpoint), of a checkpoints/step-N folder or of an exported Hugging Face folder, as "
+        "the downstream_eval plugin does during training. Under torchrun the items are split "
+        "over the processes. Prints a table; -o writes the scores as JSON.",
+    )
+    ev.add_argument(
+        "path", metavar="PATH", help="a run's dump folder, a step-N folder or a Hugging Face one"
+    )
+    ev.add_argument(
+        "--tasks", nargs="+", required=True, metavar="FILE",
+        help="task files (sample:cloze.jsonl: the shipped Shakespeare cloze)",
+    )  # fmt: skip
+    ev.add_argument("-o", "--output", help="write the scores to this JSON file")
+    ev.add_argument(
+        "--max-items", type=int, default=0, help="items per task, evenly spaced (0: all)"
+    )
+    ev.add_argument("--batch-size", type=int, default=32, help="sequences per forward (default 32)")
+    ev.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: a GPU if any"
+    )
+    ev.add_argument(
+        "--weights", choices=("model", "ema"), default="model", help="ema: the ema plugin's average"
+    )
+    ev.add_argument(
+        "--tokenizer", default=None, help="a tokenizer.json, or sample:NAME (default: the run's)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the plugtrain command line ``argv`` (default: this process's) and return its exit
     status."""
@@ -255,6 +296,7 @@ def command(argv: list[str]) -> int:
         "--tokenizer", help="the run's tokenizer.json (default: the one its config names)"
     )
     add_generate_parser(sub)
+    add_eval_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command == "estimate":
         if args.gpus < 1:
@@ -269,6 +311,8 @@ def command(argv: list[str]) -> int:
         return run_cli(lambda: prepare_data(args))
     if args.command == "generate":
         return run_cli(lambda: generate(args))
+    if args.command == "eval":
+        return run_cli(lambda: evaluate(args))
     if args.command == "plot":
         return run_cli(lambda: print(f"wrote {plot_runs(args.runs, args.output)}"))
     return run_cli(lambda: list_plugins(rest))

@@ -18,6 +18,7 @@ from torch import nn
 
 from plugtrain import API_VERSION, PROJECT_NAME
 from plugtrain.errors import ConfigError, PluginError, check_field
+from plugtrain.evaluation import EncodedTasks, Score, Task, encode_tasks, read_task, score
 from plugtrain.model import TextTokenizer, complete
 
 if TYPE_CHECKING:
@@ -33,22 +34,28 @@ __all__ = [
     "API_VERSION",
     "PROJECT_NAME",
     "ConfigError",
+    "EncodedTasks",
     "LossContext",
     "ModelContext",
     "PluginError",
     "Rewind",
     "RunControl",
+    "Score",
     "SetupContext",
     "SkipRange",
     "StepContext",
+    "Task",
     "TextTokenizer",
     "ValidationContext",
     "check_field",
     "complete",
+    "encode_tasks",
     "export_hf",
     "full_tensor",
     "hookimpl",
     "local_tensor",
+    "read_task",
+    "score",
     "total_norm",
     "wrap_forward",
 ]

@@ -1,0 +1,90 @@
+"""``plugtrain eval``: downstream tasks scored on a saved model, on one or several processes.
+
+The model comes from any input ``plugtrain generate`` reads (a dump folder's latest checkpoint,
+a ``step-N`` folder, an exported Hugging Face folder; :func:`plugtrain.generate.load`), whole on
+each process; the tasks are scored by :func:`plugtrain.evaluation.score`, the scorer of the
+``downstream_eval`` plugin, so the numbers are those the plugin logs for the same items. Under
+``torchrun`` the items are split over the processes and the counts summed. Rank 0 prints a
+table (accuracy with its 95% Wilson interval) and writes the JSON file ``-o`` names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from plugtrain.errors import ConfigError
+from plugtrain.evaluation import Score, encode_tasks, read_task, score, wilson_interval
+from plugtrain.generate import load
+
+__all__ = ["results", "run"]
+
+
+def _device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda asks for a GPU, but none is available: use cpu")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def results(scores: dict[str, Score], paths: list[str]) -> dict[str, dict]:
+    """Each task's numbers as ``-o`` writes them: items, ``acc`` and ``acc_norm`` with their 95%
+    Wilson intervals, the task file."""
+    out = {}
+    for (name, s), path in zip(scores.items(), paths, strict=True):
+        out[name] = {
+            "path": path,
+            "items": s.items,
+            "acc": s.acc,
+            "acc_95": list(wilson_interval(s.correct, s.items)),
+            "acc_norm": s.acc_norm,
+            "acc_norm_95": list(wilson_interval(s.correct_norm, s.items)),
+        }
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """``plugtrain eval``: score ``args.tasks`` on the model at ``args.path``."""
+    if args.max_items < 0:
+        raise ConfigError(f"--max-items must be >= 0 (0: all), got {args.max_items}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    tasks = [read_task(path) for path in args.tasks]  # bad input stops here, before the model
+    names = [task.name for task in tasks]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"--tasks names two files called '{name}': rename one")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _device(args.device, local_rank)
+    rank, world_size = 0, 1
+    if "RANK" in os.environ and not dist.is_initialized():  # under torchrun
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    try:
+        model, tokenizer = load(args.path, device, args.weights, args.tokenizer)
+        encoded = encode_tasks(tasks, tokenizer, model.args.max_seq_len, args.max_items)
+        scores = score(model, encoded, batch_size=args.batch_size, rank=rank, world_size=world_size)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return 0
+    table = results(scores, list(args.tasks))
+    print(f"{'task':<16} {'items':>6} {'acc':>7} {'acc 95%':>15} {'acc_norm':>9}")
+    for name, r in table.items():
+        interval = "{:.4f}-{:.4f}".format(*r["acc_95"])
+        print(f"{name:<16} {r['items']:>6} {r['acc']:>7.4f} {interval:>15} {r['acc_norm']:>9.4f}")
+    if args.output:
+        record = {"model": str(args.path), "weights": args.weights, "tasks": table}
+        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.output}")
+    return 0

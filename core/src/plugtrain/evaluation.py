@@ -1,0 +1,372 @@
+"""Multiple-choice downstream tasks: task files, log-likelihood scoring, ``acc`` and ``acc_norm``.
+
+The one scorer of plugtrain: the ``downstream_eval`` plugin calls it on the model being trained
+(FSDP2-sharded or not) at each validation, and ``plugtrain eval`` on a saved model. It scores as
+lm-evaluation-harness scores a ``multiple_choice`` task:
+
+* each choice's log-likelihood is the sum of the log-probabilities of its continuation's tokens
+  given the context. The continuation is ``delimiter + choice`` (``delimiter`` is " " unless an
+  item says otherwise, lm-eval's ``target_delimiter``); trailing whitespace of the context moves
+  to the front of the continuation; ``context + continuation`` is tokenized as a whole and split
+  at the length of the tokenized context (lm-eval's ``_encode_pair``). The context starts with
+  the tokenizer's BOS token when it has one, as training documents do (else, only for an empty
+  context, its EOS token). A sequence longer than the model's ``max_seq_len`` keeps its last
+  tokens (lm-eval truncates on the left too).
+* ``acc``: the choice of highest log-likelihood is the gold one; ``acc_norm``: the same with each
+  log-likelihood divided by its choice's length in characters (``len(choice)``, without the
+  delimiter). Ties go to the first choice (``argmax``).
+
+A task is a JSONL file, one item per line: ``{"context": str, "choices": [str, ...], "gold":
+int}``, optionally ``"delimiter": str``. A line with ``ctx``/``ctx_a``, ``endings`` and ``label``
+is read as HellaSwag's own validation file (``hellaswag_val.jsonl``) and preprocessed as
+lm-eval's ``hellaswag`` task does: context ``activity_label + ": " + ctx_a + " " +
+ctx_b.capitalize()`` (``ctx`` when ``ctx_a``/``ctx_b`` are absent), and for the context and each
+ending: strip, `` [title]`` becomes ``". "``, every other ``[...]`` is removed, double spaces
+become single.
+
+Items are split over ranks (item ``i`` on rank ``i % world_size``); each rank forwards its
+choices in batches of rows padded on the right (causal attention: padding changes nothing
+before it), and every rank runs the same number of forwards, padding with a one-token one, so
+that every rank joins each of an FSDP2 model's all-gathers. The counts are summed over ranks:
+the score is the same on any number of processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from plugtrain import sample
+from plugtrain.errors import DataError, MissingFileError
+from plugtrain.model import TextTokenizer, reshard
+
+__all__ = [
+    "EncodedTasks",
+    "Item",
+    "Score",
+    "Task",
+    "encode_pair",
+    "encode_tasks",
+    "read_task",
+    "score",
+    "wilson_interval",
+]
+
+DELIMITER = " "
+"""What separates the context from a choice unless an item says otherwise (lm-eval's
+``target_delimiter``)."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One multiple-choice question."""
+
+    context: str
+    choices: tuple[str, ...]
+    gold: int
+    """Index of the right choice."""
+    delimiter: str = DELIMITER
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task file's items, named after the file (``cloze`` for ``sample:cloze.jsonl``)."""
+
+    name: str
+    path: str
+    items: tuple[Item, ...]
+
+
+def _hellaswag_text(text: str) -> str:
+    """lm-eval's preprocessing of HellaSwag's texts (WikiHow's bracketed artifacts)."""
+    text = text.strip().replace(" [title]", ". ")
+    text = re.sub(r"\[.*?\]", "", text)
+    return text.replace("  ", " ")
+
+
+def _item(doc: object, where: str) -> Item:
+    """The item of one parsed line; ``where`` names the line in errors."""
+    if not isinstance(doc, dict):
+        raise DataError(f"{where} is not a JSON object: write one item per line")
+    if "endings" in doc:  # HellaSwag's own format
+        missing = [k for k in ("endings", "label") if k not in doc]
+        if "ctx" not in doc and not {"ctx_a", "ctx_b"} <= doc.keys():
+            missing.append("ctx")
+        if missing:
+            raise DataError(f"{where} (a HellaSwag line) has no '{missing[0]}'")
+        if {"ctx_a", "ctx_b"} <= doc.keys():
+            ctx = f"{doc['ctx_a']} {str(doc['ctx_b']).capitalize()}"
+        else:
+            ctx = str(doc["ctx"])
+        if doc.get("activity_label"):
+            ctx = f"{doc['activity_label']}: {ctx}"
+        context, choices, gold = _hellaswag_text(ctx), doc["endings"], doc["label"]
+        if isinstance(choices, list):
+            choices = [_hellaswag_text(c) if isinstance(c, str) else c for c in choices]
+        if isinstance(gold, str) and gold.strip().isdigit():
+            gold = int(gold)
+        delimiter = DELIMITER
+    else:
+        missing = [k for k in ("context", "choices", "gold") if k not in doc]
+        if missing:
+            raise DataError(
+                f'{where} has no \'{missing[0]}\': write {{"context": ..., "choices": [...], '
+                '"gold": N}, or a HellaSwag line (ctx, endings, label)'
+            )
+        context, choices, gold = doc["context"], doc["choices"], doc["gold"]
+        delimiter = doc.get("delimiter", DELIMITER)
+        if not isinstance(context, str) or not isinstance(delimiter, str):
+            raise DataError(f"{where}: 'context' and 'delimiter' must be strings")
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise DataError(f"{where}: the choices must be a list of strings")
+    if len(choices) < 2:
+        raise DataError(f"{where} has {len(choices)} choice(s): give at least 2")
+    if not all(choices):
+        raise DataError(f"{where}: choice {choices.index('')} is empty: every choice needs text")
+    if not isinstance(gold, int) or isinstance(gold, bool) or not 0 <= gold < len(choices):
+        raise DataError(
+            f"{where}: gold {gold!r} is not the index of one of its {len(choices)} choices "
+            f"(0 to {len(choices) - 1})"
+        )
+    return Item(context, tuple(choices), gold, delimiter)
+
+
+def read_task(path: str) -> Task:
+    """The task in JSONL file ``path`` (``sample:NAME`` names a file of the shipped sample).
+
+    Bad input raises a one-line :class:`~plugtrain.errors.UserError` naming the file and line.
+    """
+    file = sample.resolve(path)
+    if not file.is_file():
+        raise MissingFileError(f"task file '{path}' not found: give an existing JSONL file")
+    items = []
+    with file.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"task file '{path}' line {number}"
+            try:
+                doc = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{where} is not valid JSON ({e.msg}): fix or remove it") from e
+            items.append(_item(doc, where))
+    if not items:
+        raise DataError(f"task file '{path}' holds no item: write one JSON object per line")
+    name = Path(file.name.removesuffix(".gz")).stem
+    return Task(name, path, tuple(items))
+
+
+def encode_pair(
+    tokenizer: TextTokenizer, context: str, continuation: str
+) -> tuple[list[int], list[int]]:
+    """The context's tokens and the continuation's, split as lm-eval's ``_encode_pair`` does:
+    the context's trailing whitespace joins the continuation, ``context + continuation`` is
+    tokenized whole and cut at the length of the tokenized context."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    if not prefix and not context:
+        prefix = [tokenizer.eos_id]  # lm-eval's prefix token for an empty context
+    context_ids = prefix + tokenizer.encode(context)
+    whole = prefix + tokenizer.encode(context + continuation)
+    return context_ids, whole[len(context_ids) :]
+
+
+@dataclass
+class EncodedTasks:
+    """Tasks tokenized for one model: one row of tokens per (item, choice).
+
+    ``rows[r]`` holds at most ``max_seq_len + 1`` tokens whose last ``scored[r]`` are the
+    continuation; the model reads all but the last and predicts all but the first.
+    """
+
+    names: list[str]
+    """The tasks, in order."""
+    rows: list[list[int]]
+    scored: list[int]
+    row_item: list[int]
+    """The item (index into ``item_task``) of each row."""
+    row_choice: list[int]
+    """The choice (index into the item's choices) of each row."""
+    item_task: list[int]
+    """The task (index into ``names``) of each selected item."""
+    gold: list[int]
+    chars: list[list[int]]
+    """Each item's choices' lengths in characters."""
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_task)
+
+
+def _subset(n: int, max_items: int) -> list[int]:
+    """``max_items`` indices of ``n``, evenly spaced (all when ``max_items`` is 0 or >= n): the
+    same subset at every validation and in ``plugtrain eval``, drawn from the whole file."""
+    if not max_items or max_items >= n:
+        return list(range(n))
+    return [i * n // max_items for i in range(max_items)]
+
+
+def encode_tasks(
+    tasks: Sequence[Task], tokenizer: TextTokenizer, max_seq_len: int, max_items: int = 0
+) -> EncodedTasks:
+    """Tokenize at most ``max_items`` items of each task (0: all) for a model of
+    ``max_seq_len`` positions. A continuation that does not fit the model is bad input."""
+    encoded = EncodedTasks([t.name for t in tasks], [], [], [], [], [], [], [])
+    for t, task in enumerate(tasks):
+        for i in _subset(len(task.items), max_items):
+            item = task.items[i]
+            for j, choice in enumerate(item.choices):
+                context_ids, continuation = encode_pair(
+                    tokenizer, item.context, item.delimiter + choice
+                )
+                if not 1 <= len(continuation) <= max_seq_len:
+                    raise DataError(
+                        f"task file '{task.path}' item {i + 1}: a choice of {len(continuation)} "
+                        f"tokens does not fit the model's {max_seq_len} positions: shorten it"
+                    )
+                encoded.rows.append((context_ids + continuation)[-(max_seq_len + 1) :])
+                encoded.scored.append(len(continuation))
+                encoded.row_item.append(encoded.num_items)
+                encoded.row_choice.append(j)
+            encoded.item_task.append(t)
+            encoded.gold.append(item.gold)
+            encoded.chars.append([len(c) for c in item.choices])
+    return encoded
+
+
+@dataclass(frozen=True)
+class Score:
+    """One task's result over every rank's items."""
+
+    items: int
+    correct: int
+    """Items whose highest log-likelihood is the gold choice's."""
+    correct_norm: int
+    """The same with log-likelihoods divided by the choices' lengths in characters."""
+
+    @property
+    def acc(self) -> float:
+        return self.correct / self.items
+
+    @property
+    def acc_norm(self) -> float:
+        return self.correct_norm / self.items
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``correct / n`` (95% for ``z`` 1.96)."""
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def _batches(rows: Sequence[int], lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """``rows`` in batches of ``batch_size``, longest first, so that rows of similar length are
+    padded together."""
+    ordered = sorted(rows, key=lambda r: (-lengths[r], r))
+    return [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+
+
+@torch.no_grad()
+def _loglikelihoods(
+    model: nn.Module,
+    encoded: EncodedTasks,
+    rows: Sequence[int],
+    batches: Sequence[Sequence[int]],
+    forwards: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The log-likelihood of each of ``rows``' continuations, in that order, on the device;
+    ``forwards`` forwards in all (one-token ones after the batches run out)."""
+    position = {r: i for i, r in enumerate(rows)}
+    out = torch.zeros(len(rows), device=device)
+    for n in range(forwards):
+        if n >= len(batches):
+            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+            continue
+        batch = batches[n]
+        width = max(len(encoded.rows[r]) for r in batch) - 1
+        tokens = torch.zeros(len(batch), width + 1, dtype=torch.long)
+        scored = torch.zeros(len(batch), width, dtype=torch.bool)
+        for b, r in enumerate(batch):
+            row = encoded.rows[r]
+            tokens[b, : len(row)] = torch.tensor(row)
+            scored[b, len(row) - 1 - encoded.scored[r] : len(row) - 1] = True
+        tokens, scored = tokens.to(device), scored.to(device)
+        # The log-softmax of the continuations' positions only: most positions are context.
+        logits = model(tokens[:, :-1])[scored].float()
+        picked = F.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:][scored][:, None])
+        where = torch.tensor([position[r] for r in batch], device=device)
+        out.index_add_(0, where[:, None].expand_as(scored)[scored], picked.squeeze(-1))
+    return out
+
+
+def score(
+    model: nn.Module,
+    encoded: EncodedTasks,
+    *,
+    batch_size: int = 32,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict[str, Score]:
+    """Score ``encoded`` with ``model`` on every rank (each with the same arguments): each
+    task's :class:`Score`, the same on every rank and for any ``world_size``.
+
+    ``model`` maps tokens ``[B, S]`` to logits ``[B, S, vocab]`` (a
+    :class:`~plugtrain.model.transformer.Transformer`, FSDP2-sharded or not); it is put in eval
+    mode for the passes and back, and resharded after them. One all-reduce and one read of the
+    counts on the host; no random number is drawn.
+    """
+    device = next(model.parameters()).device
+    lengths = [len(row) for row in encoded.rows]
+    mine = [r for r in range(len(encoded.rows)) if encoded.row_item[r] % world_size == rank]
+    batches = _batches(mine, lengths, batch_size)
+    # Every rank knows every rank's rows: the number of forwards needs no collective.
+    per_rank = [
+        sum(1 for item in encoded.row_item if item % world_size == k) for k in range(world_size)
+    ]
+    forwards = max(math.ceil(n / batch_size) for n in per_rank)
+    training = model.training
+    model.eval()
+    try:
+        # Compiled blocks (the compile plugin) run eagerly: each padded width would be a new
+        # graph.
+        with torch.compiler.set_stance("force_eager"):
+            lls = _loglikelihoods(model, encoded, mine, batches, forwards, device)
+    finally:
+        model.train(training)
+        reshard(model)
+    counts = torch.zeros(len(encoded.names), 3, dtype=torch.long, device=device)
+    items = sorted({encoded.row_item[r] for r in mine})
+    if items:
+        local = {item: k for k, item in enumerate(items)}
+        width = max(len(encoded.chars[i]) for i in items)
+        # One row per item, one column per choice; absent choices never win.
+        table = torch.full((len(items), width), -math.inf, device=device)
+        at_item = torch.tensor([local[encoded.row_item[r]] for r in mine], device=device)
+        at_choice = torch.tensor([encoded.row_choice[r] for r in mine], device=device)
+        table[at_item, at_choice] = lls
+        chars = [encoded.chars[i] + [1] * (width - len(encoded.chars[i])) for i in items]
+        normed = table / torch.tensor(chars, device=device)
+        gold = torch.tensor([encoded.gold[i] for i in items], device=device)
+        hits = [torch.ones_like(gold), table.argmax(dim=1) == gold, normed.argmax(dim=1) == gold]
+        task = torch.tensor([encoded.item_task[i] for i in items], device=device)
+        counts.index_add_(0, task, torch.stack(hits, dim=1).long())
+    if world_size > 1:
+        dist.all_reduce(counts)
+    return {
+        name: Score(n, correct, correct_norm)
+        for name, (n, correct, correct_norm) in zip(encoded.names, counts.tolist(), strict=True)
+    }

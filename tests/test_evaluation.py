@@ -1,0 +1,198 @@
+"""Downstream evaluation: scores against a hand-written reference on 1 and 2 processes, task
+files and their errors (through a run and through ``plugtrain eval``), HellaSwag's format, the
+shipped cloze, and ``plugtrain eval`` against the plugin's logged numbers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugtrain.cli import main, train
+from plugtrain.data import Tokenizer
+from plugtrain.distributed import init_world
+from plugtrain.errors import DataError, MissingFileError
+from plugtrain.evaluation import Score, encode_tasks, read_task, score, wilson_interval
+from plugtrain.model import FLAVORS, Transformer, build_model
+from plugtrain.testing import SAMPLE, read_metrics, run_distributed, tiny_args
+
+TOKENIZER = Tokenizer.from_file(SAMPLE / "tokenizer.json")
+ARGS = replace(FLAVORS["tiny"], vocab_size=TOKENIZER.vocab_size)  # 64 positions
+LONG = " ".join(["Full fathom five thy father lies; of his bones are coral made."] * 12)
+ITEMS = [
+    {"context": "ROMEO. But soft, what light", "choices": [" through", " is", " yonder"],
+     "gold": 0},
+    {"context": "To be, or not to be: ", "choices": ["that is", "the question", "no"], "gold": 1},
+    {"context": "", "choices": ["The king", "A horse"], "gold": 1},
+    {"context": LONG, "choices": ["Hark!", "Ding-dong, bell.", "Ay, and more."], "gold": 2},
+    {"context": "What's in a name?\n", "choices": ["That which", "we call", "a rose", "by"],
+     "gold": 3, "delimiter": ""},
+    {"context": "Once more unto the breach", "choices": ["dear friends", "once more"],
+     "gold": 0, "delimiter": ", "},
+    {"context": "Now is the winter of our discontent", "choices": ["Made", "Glorious", "summer",
+     "by this", "sun of York"], "gold": 4, "delimiter": "\n"},
+    {"context": "If music be the food of love,", "choices": ["play on", "stop"], "gold": 0},
+    {"context": "All the world's a stage", "choices": ["and", "all the men", "women"], "gold": 2},
+]  # fmt: skip
+"""Trailing whitespace, an empty context, one longer than the model, other delimiters, 2 to 5
+choices: the cases of the tokenization rules."""
+
+
+def write_jsonl(path: Path, items: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
+    return path
+
+
+def tiny_model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights(0)
+    return model
+
+
+@torch.no_grad()
+def reference(model: Transformer, items: list[dict]) -> Score:
+    """Written out as lm-evaluation-harness does it, one sequence per forward: the context's
+    trailing whitespace moved to the continuation, context + continuation tokenized whole, BOS
+    first, the last max_seq_len + 1 tokens kept; log-softmax, and the sum over the
+    continuation; the first highest sum (or sum per character) wins."""
+    correct = correct_norm = 0
+    bos = [TOKENIZER.bos_id]
+    for item in items:
+        lls = []
+        for choice in item["choices"]:
+            context = item["context"].rstrip()
+            continuation = item["context"][len(context) :] + item.get("delimiter", " ") + choice
+            scored = len(bos + TOKENIZER.encode(context + continuation)) - len(
+                bos + TOKENIZER.encode(context)
+            )
+            tokens = (bos + TOKENIZER.encode(context + continuation))[-(ARGS.max_seq_len + 1) :]
+            logprobs = model(torch.tensor([tokens[:-1]]))[0].log_softmax(dim=-1)
+            lls.append(
+                sum(
+                    logprobs[p - 1, tokens[p]].item()
+                    for p in range(len(tokens) - scored, len(tokens))
+                )
+            )
+        normed = [ll / len(c) for ll, c in zip(lls, item["choices"], strict=True)]
+        correct += lls.index(max(lls)) == item["gold"]
+        correct_norm += normed.index(max(normed)) == item["gold"]
+    return Score(len(items), correct, correct_norm)
+
+
+@pytest.fixture(scope="module")
+def task_file(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("tasks") / "plays.jsonl", ITEMS)
+
+
+@pytest.fixture(scope="module")
+def expected(task_file) -> Score:
+    return reference(tiny_model(), ITEMS)
+
+
+def test_scores_equal_the_reference_whatever_the_batch(task_file, expected):
+    assert 0 < expected.correct < len(ITEMS)  # the model neither gets all nor none right
+    encoded = encode_tasks([read_task(str(task_file))], TOKENIZER, ARGS.max_seq_len)
+    model = tiny_model()
+    for batch_size in (1, 3, 64):
+        assert score(model, encoded, batch_size=batch_size) == {"plays": expected}
+
+
+def _score_on_rank(task_file: str) -> Score:
+    world = init_world("cpu")
+    model = build_model(ARGS, world.mesh, torch.float32, torch.float32, world.device, seed=0)
+    encoded = encode_tasks([read_task(task_file)], TOKENIZER, ARGS.max_seq_len)
+    # Batches of 2: rank 0 has 5 items' choices, rank 1 four: rank 1 runs a padding forward.
+    return score(model, encoded, batch_size=2, rank=world.rank, world_size=world.world_size)[
+        "plays"
+    ]
+
+
+@pytest.mark.slow
+def test_two_sharded_processes_give_the_reference_scores(task_file, expected):
+    assert run_distributed(_score_on_rank, 2, str(task_file)) == [expected, expected]
+
+
+def test_a_hellaswag_line_is_read_as_lm_eval_preprocesses_it(tmp_path):
+    line = {
+        "ind": 24, "activity_label": "Roof shingle removal",
+        "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
+        "ctx": "A man is sitting on a roof. he",
+        "endings": ["is using wrap to wrap a pair of skis.",
+                    "starts pulling up roofing [title] on a roof.",
+                    "is ripping  level tiles off.", "is holding a rubik's cube."],
+        "label": "3", "split": "val",
+    }  # fmt: skip
+    (item,) = read_task(str(write_jsonl(tmp_path / "hellaswag_val.jsonl", [line]))).items
+    assert item.context == "Roof shingle removal: A man is sitting on a roof. He"
+    assert item.choices[1:3] == (
+        "starts pulling up roofing. on a roof.",
+        "is ripping level tiles off.",
+    )
+    assert (item.gold, item.delimiter) == (3, " ")
+
+
+BAD_LINES = [
+    ('{"context": "a", "choices": ["b", "c"], "gold": 0}\n{"context": "a", "choices": [\n',
+     r"task file '.*bad\.jsonl' line 2 is not valid JSON"),
+    ('{"context": "a", "choices": ["b", "c"], "gold": 2}\n',
+     r"line 1: gold 2 is not the index of one of its 2 choices \(0 to 1\)"),
+    ('{"context": "a", "choices": [], "gold": 0}\n', r"line 1 has 0 choice\(s\): give at least 2"),
+    ('{"context": "a", "choices": ["b", ""], "gold": 0}\n', r"line 1: choice 1 is empty"),
+    ('{"context": "a", "gold": 0}\n', r"line 1 has no 'choices'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_LINES, ids=[m for _, m in BAD_LINES])
+def test_a_bad_task_line_is_one_error_naming_the_file_and_line(tmp_path, text, message):
+    (tmp_path / "bad.jsonl").write_text(text)
+    with pytest.raises(DataError, match=message) as e:
+        read_task(str(tmp_path / "bad.jsonl"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(MissingFileError, match=r"task file 'nope\.jsonl' not found"):
+        read_task("nope.jsonl")
+
+
+def test_bad_task_files_stop_a_run_before_step_1_and_plugtrain_eval(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"context": "a", "choices": ["b", "c"], "gold": 5}\n')
+    for task in (str(bad), str(tmp_path / "missing.jsonl")):
+        args = tiny_args(tmp_path / "run", "--plugins.enabled", "downstream_eval",
+                         "--downstream_eval.tasks", json.dumps([task]),
+                         "--validation.interval", "1")  # fmt: skip
+        assert train(args) == 2
+        assert main(["eval", str(tmp_path / "run"), "--tasks", task]) == 2
+        errors = capsys.readouterr().err.strip().splitlines()
+        assert len(errors) == 2 and all(task in line for line in errors), errors
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_untrained_model_is_at_chance_on_the_shipped_cloze():
+    task = read_task("sample:cloze.jsonl")
+    assert len(task.items) == 400 and {len(item.choices) for item in task.items} == {4}
+    result = score(tiny_model(), encode_tasks([task], TOKENIZER, ARGS.max_seq_len))["cloze"]
+    low, high = wilson_interval(100, 400)  # chance: 1 in 4
+    assert low <= result.acc <= high and low <= result.acc_norm <= high
+
+
+def test_plugtrain_eval_of_a_checkpoint_gives_the_numbers_the_plugin_logged(tmp_path, task_file):
+    run = tmp_path / "run"
+    args = tiny_args(run, "--plugins.enabled", "downstream_eval",
+                     "--downstream_eval.tasks", json.dumps([str(task_file)]),
+                     "--downstream_eval.batch_size", "4", "--validation.interval", "2",
+                     "--validation.steps", "1", "--data.validation_path",
+                     str(SAMPLE / "validation.jsonl"), "--checkpoint.enable", "true",
+                     "--optimizer.lr", "0.05", steps=2)  # fmt: skip
+    assert train(args) == 0
+    (logged,) = [r for r in read_metrics(run) if "downstream_eval/plays/acc" in r]
+    out = tmp_path / "scores.json"
+    assert main(["eval", str(run), "--tasks", str(task_file), "-o", str(out)]) == 0
+    scores = json.loads(out.read_text())["tasks"]["plays"]
+    assert scores["items"] == len(ITEMS)
+    assert (scores["acc"], scores["acc_norm"]) == (
+        logged["downstream_eval/plays/acc"],
+        logged["downstream_eval/plays/acc_norm"],
+    )
