@@ -48,11 +48,19 @@ def test_without_validation_it_deactivates_itself_and_says_why(tmp_path) -> None
     assert plugins[NAME]["inactive"] == "validation.interval is 0: no validation to score tasks at"
 
 
-def test_each_validation_logs_acc_for_the_model_and_for_ema(tmp_path) -> None:
-    run = tiny_run(
-        tmp_path / "run", "--plugins.enabled", f"{NAME},ema", f"--{NAME}.max_items", "12",
-        "--validation.interval", "2", *VALIDATION, steps=4,
-    )  # fmt: skip
+def test_each_validation_logs_acc_for_the_model_and_for_ema_and_changes_nothing_else(
+    tmp_path,
+) -> None:
+    args = ("--validation.interval", "2", *VALIDATION)
+    run = tiny_run(tmp_path / "run", "--plugins.enabled", f"{NAME},ema", f"--{NAME}.max_items",
+                   "12", *args, steps=4)  # fmt: skip
+    plain = tiny_run(tmp_path / "plain", "--plugins.enabled", "ema", *args, steps=4)
+    # No random number drawn, no parameter touched: the same run, plus its scores.
+    assert run.checksums == plain.checksums
+    keys = ("step", "loss", "lr", "validation_loss", "ema/validation_loss")
+    assert [[r.get(k) for k in keys] for r in run.metrics] == [
+        [r.get(k) for k in keys] for r in plain.metrics
+    ]
     records = [r for r in run.metrics if "validation_loss" in r]
     assert [r["step"] for r in records] == [2, 4]
     for record in records:
