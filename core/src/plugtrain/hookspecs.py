@@ -280,9 +280,7 @@ def pre_validation(ctx: ValidationContext) -> None:
     ``ctx.weights`` is None for the model's own weights, else the name of the set a plugin
     offered in ``validation_weights``; that plugin copies its weights into the model's
     parameter shards here (in place, under ``torch.no_grad``). The model's parameters are
-    resharded between passes, so the pass evaluates exactly the shards as they are now. A
-    plugin may run forwards of its own here (every rank alike: the ``samples`` plugin
-    generates text) and report values in ``ctx.metrics``, as ``post_validation`` may.
+    resharded between passes, so the pass evaluates exactly the shards as they are now.
     """
 
 
@@ -293,8 +291,9 @@ def validation_metrics(ctx: ValidationContext) -> Mapping[str, float | str | tor
     Fires once per weight set each time validation is due, after the pass's loss is computed
     (``ctx.loss``) and before ``post_validation``: whatever order the plugins are in, the
     weights of the pass (``ctx.weights``) are in the model, so a plugin evaluates them in place
-    (the ``downstream_eval`` plugin scores tasks here). Every rank calls it: forwards and
-    collectives are allowed, alike on every rank, and the values (numbers, 0-d tensors read
+    (the ``downstream_eval`` plugin scores tasks here, the ``samples`` plugin writes text), and
+    the trainer reshards the model after it. Every rank calls it: forwards and collectives are
+    allowed, alike on every rank, and the values (numbers, 0-d tensors read
     once, or text) must be the same on every rank. They join the pass's record in
     ``metrics.jsonl`` as ``<plugin name>/<key>`` for the model's own weights and ``<weights
     name>/<plugin name>/<key>`` for a weight set a plugin offered (``ema/downstream_eval/...``);
@@ -308,9 +307,8 @@ def post_validation(ctx: ValidationContext) -> None:
 
     ``ctx.loss`` is the pass's loss (a float, the mean over batches and ranks). The plugin that
     swapped its weights in ``pre_validation`` puts the model's own back here: training
-    continues from the parameters as this hook leaves them. A plugin reports values of its
-    own by setting ``ctx.metrics["<plugin name>/<key>"]`` (numbers or text, on every rank):
-    they join the pass's record in ``metrics.jsonl``.
+    continues from the parameters as this hook leaves them. Values a plugin measures are
+    returned from ``validation_metrics``.
     """
 
 

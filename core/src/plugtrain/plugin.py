@@ -277,7 +277,8 @@ class LossContext:
 
 @dataclass(eq=False)
 class ValidationContext:
-    """What ``pre_validation`` and ``post_validation`` receive: one validation pass."""
+    """What ``pre_validation``, ``validation_metrics`` and ``post_validation`` receive: one
+    validation pass."""
 
     step: int
     """Optimizer steps completed when the validation runs."""
@@ -285,12 +286,8 @@ class ValidationContext:
     """The weight set this pass evaluates: None for the model's own weights, else a name a
     plugin offered in ``validation_weights`` (that plugin swaps its weights in)."""
     loss: float | None = None
-    """In ``post_validation``: the pass's mean loss, over the validation batches and ranks."""
-    metrics: dict[str, float | str] = field(default_factory=dict)
-    """Values a plugin adds to this pass's record in ``metrics.jsonl`` (numbers or text), keyed
-    ``<plugin name>/<key>`` (``samples/0``): set them in either hook, on every rank (rank 0
-    writes them). Text goes to TensorBoard as text. Values measured on the pass's weights are
-    better returned from ``validation_metrics``, which names them per weight set."""
+    """From ``validation_metrics`` on: the pass's mean loss, over the validation batches and
+    ranks."""
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

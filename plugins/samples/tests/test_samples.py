@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugtrain_samples import Samples
 
 from plugtrain.plugin import ConfigError, ValidationContext, hookimpl
 from plugtrain.testing import SAMPLE, setup_context, tiny_run
@@ -88,21 +89,22 @@ def test_the_logged_text_is_what_generate_writes_from_the_checkpoint(tmp_path: P
         assert [generate_cli(checkpoint, p) for p in PROMPTS] == texts[step], step
 
 
-class RankTexts:
-    """Writes what the samples plugin put in each validation record, on this rank, to a file."""
+class RankTexts(Samples):
+    """The samples plugin, also writing what it reports at each validation, on this rank, to a
+    file."""
 
     def __init__(self, folder: str) -> None:
-        self.folder, self.rank, self.texts = folder, 0, {}
+        super().__init__()
+        self.folder, self.texts = folder, {}
 
     @hookimpl
-    def setup(self, ctx) -> None:
-        self.rank = ctx.rank
-
-    @hookimpl
-    def post_validation(self, ctx: ValidationContext) -> None:
-        self.texts[ctx.step] = {k: v for k, v in ctx.metrics.items() if k.startswith(NAME)}
-        path = Path(self.folder) / f"texts.rank{self.rank}.json"
-        path.write_text(json.dumps(self.texts))
+    def validation_metrics(self, ctx: ValidationContext) -> dict[str, str] | None:
+        texts = super().validation_metrics(ctx)
+        if texts is not None:
+            self.texts[ctx.step] = {f"{NAME}/{i}": text for i, text in texts.items()}
+            path = Path(self.folder) / f"texts.rank{self.rank}.json"
+            path.write_text(json.dumps(self.texts))
+        return texts
 
 
 @pytest.mark.slow
@@ -110,7 +112,7 @@ def test_every_rank_writes_the_same_text(tmp_path: Path) -> None:
     folder = tmp_path / "run"
     folder.mkdir()
     run = tiny_run(
-        folder, *ARGS, "--samples.temperature", "1.0", plugins=[("texts", RankTexts(str(folder)))],
+        folder, *ARGS, "--samples.temperature", "1.0", plugins=[(NAME, RankTexts(str(folder)))],
         steps=4, world_size=2,
     )  # fmt: skip
     ranks = [json.loads((folder / f"texts.rank{r}.json").read_text()) for r in (0, 1)]

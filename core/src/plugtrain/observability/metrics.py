@@ -36,7 +36,7 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (
 Throughput and times are means over the steps since the previous logged step. Validation writes
 records of their own: ``{"step": 50, "validation_loss": 4.75, "validation_bpb": 2.01,
 "ema/validation_loss": 4.81, "ema/validation_bpb": 2.04}``, plus what plugins add
-(``ValidationContext.metrics``), which may be text (``"samples/0": "ROMEO: ..."``).
+(``validation_metrics``), which may be text (``"samples/0": "ROMEO: ..."``).
 ``validation_bpb``, bits per byte, compares across tokenizers: the loss summed over every target
 token of the validation batches, in bits, over the UTF-8 bytes of text those tokens stand for
 (``Tokenizer.token_byte_lengths``: special tokens such as ``<|end_of_text|>`` stand for 0 bytes

@@ -460,9 +460,8 @@ class Trainer:
         """The validation losses: ``validation_loss`` and ``validation_bpb`` on the model's
         weights, then ``<name>/validation_loss`` and ``<name>/validation_bpb`` for each weight set
         a plugin offers (``validation_weights``), each pass between ``pre_validation`` and
-        ``post_validation``; and the values plugins report: ``validation_metrics``
-        (``<plugin>/<key>``, ``<name>/<plugin>/<key>`` for a weight set) and
-        ``ValidationContext.metrics``."""
+        ``post_validation``; and what plugins report from ``validation_metrics``
+        (``<plugin>/<key>``, ``<name>/<plugin>/<key>`` for a weight set)."""
         offered = self.host.results("validation_weights").values()
         losses: dict[str, float | str] = {}
         for weights in [None, *(name for names in offered for name in names)]:
@@ -471,6 +470,10 @@ class Trainer:
             ctx.loss, bpb = self._validation_loss()
             # While the pass's weights are in place, whatever order the plugins are in.
             metrics = self.host.results("validation_metrics", ctx=ctx)
+            # FSDP2 keeps the root's and last block's parameters unsharded after a forward
+            # without backward (this pass's, a plugin's): the next would reuse them, missing
+            # the weights a plugin swaps in or back.
+            reshard(self.model)
             self.hook.post_validation(ctx=ctx)
             prefix = "" if weights is None else f"{weights}/"
             losses[f"{prefix}validation_loss"] = ctx.loss
@@ -482,7 +485,6 @@ class Trainer:
                         for key, v in values.items()
                     }
                 )
-            losses.update(ctx.metrics)
         return losses
 
     @torch.no_grad()
@@ -507,9 +509,6 @@ class Trainer:
             scored[0] += loss.double() * targets.numel()
             scored[1] += self.token_bytes[targets].sum()
         self.model.train()
-        # FSDP2 keeps the root's and last block's parameters unsharded after a forward without
-        # backward: the next pass would reuse them, missing weights a plugin swapped in.
-        reshard(self.model)
         # One reduction for both, in float64; rounded back to float32, the loss sums are those
         # of a float32 reduction (bitwise on 1 and 2 ranks: 53 bits >= 2 x 24 + 2).
         reduced = all_reduce_mean(torch.cat([total.double(), scored]), self.world.world_size)

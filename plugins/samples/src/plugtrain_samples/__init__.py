@@ -1,12 +1,12 @@
 """What the model writes after fixed prompts, at each validation, as a plugtrain plugin.
 
-Before the validation pass on the model's own weights (``pre_validation`` with ``ctx.weights``
+At each validation, on the model's own weights (``validation_metrics`` with ``ctx.weights``
 None), every rank continues each prompt with :func:`plugtrain.plugin.complete`, the decoding
 loop ``plugtrain generate`` uses, on the model as it trains (FSDP2-sharded or not: every rank
 joins each forward, and all write the same tokens, greedy or from the same seed). The texts go
 into the validation record as ``samples/<i>`` (``metrics.jsonl``; TensorBoard text when
-enabled) and to the log on rank 0. The validation pass that follows reshards the model, so
-the generation leaves nothing behind.
+enabled) and to the log on rank 0. The trainer reshards the model after the hook, so the
+generation leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -74,11 +74,12 @@ class Samples:
             ctx.deactivate(self, reason)
 
     @hookimpl
-    def pre_validation(self, ctx: ValidationContext) -> None:
+    def validation_metrics(self, ctx: ValidationContext) -> dict[str, str] | None:
         if ctx.weights is not None:
-            return
+            return None
         assert self.tokenizer is not None, "setup gives the run's tokenizer"
         cfg = self.config
+        texts = {}
         for i, prompt in enumerate(cfg.prompts):
             text = complete(
                 self.model,
@@ -88,6 +89,7 @@ class Samples:
                 temperature=cfg.temperature,
                 seed=cfg.seed + i,
             )
-            ctx.metrics[f"{self.name}/{i}"] = text
+            texts[str(i)] = text
             if self.rank == 0:
                 logger.info("%s/%d at step %d: %r -> %r", self.name, i, ctx.step, prompt, text)
+        return texts
