@@ -41,15 +41,16 @@ def venv_seeing_only_the_dependencies(venv: Path, deps: Path) -> Path:
 def test_a_wheel_install_trains_the_debug_model_in_an_empty_folder(tmp_path):
     # Built from a copy: an in-place build would leave build/ and *.egg-info in the checkout.
     source = tmp_path / "source"
-    for part in ("core", "configs", "plugins/grad_clip"):
+    for part in ("core", "configs", "plugins/grad_clip", "plugins/downstream_eval"):
         ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
         shutil.copytree(REPO / part, source / part, symlinks=True, ignore=ignore)
     python = venv_seeing_only_the_dependencies(tmp_path / "venv", tmp_path / "deps")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONNOUSERSITE="1", PLUGTRAIN_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     install = [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
+    plugins = [source / "plugins" / name for name in ("grad_clip", "downstream_eval")]
     subprocess.run(
-        [*install, "--no-build-isolation", source / "core", source / "plugins" / "grad_clip"],
+        [*install, "--no-build-isolation", source / "core", *plugins],
         check=True,
         env=env,
         cwd=tmp_path,
@@ -66,7 +67,8 @@ def test_a_wheel_install_trains_the_debug_model_in_an_empty_folder(tmp_path):
     records = read_metrics(empty / "run")
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert any("validation_loss" in r for r in records)
-    assert "plugins: grad_clip" in result.stderr
+    assert "plugins: grad_clip (plugtrain-grad-clip 0.1.0), downstream_eval (" in result.stderr
+    assert any("downstream_eval/cloze/acc" in r for r in records)  # the sample's task, shipped
     where = subprocess.run(
         [python, "-c", "import plugtrain; print(plugtrain.__file__)"],
         env=env,
