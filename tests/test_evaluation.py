@@ -179,7 +179,7 @@ def test_the_untrained_model_is_at_chance_on_the_shipped_cloze():
     assert low <= result.acc <= high and low <= result.acc_norm <= high
 
 
-def test_plugtrain_eval_of_a_checkpoint_gives_the_numbers_the_plugin_logged(tmp_path, task_file):
+def test_plugtrain_eval_of_a_checkpoint_and_its_export_gives_the_logged_scores(tmp_path, task_file):
     run = tmp_path / "run"
     args = tiny_args(run, "--plugins.enabled", "downstream_eval",
                      "--downstream_eval.tasks", json.dumps([str(task_file)]),
@@ -197,6 +197,11 @@ def test_plugtrain_eval_of_a_checkpoint_gives_the_numbers_the_plugin_logged(tmp_
         logged["downstream_eval/plays/acc"],
         logged["downstream_eval/plays/acc_norm"],
     )
+    # The same weights exported to a Hugging Face folder score the same.
+    hf, out_hf = tmp_path / "hf", tmp_path / "scores_hf.json"
+    assert main(["export-hf", str(run), "-o", str(hf), "--dtype", "float32"]) == 0
+    assert main(["eval", str(hf), "--tasks", str(task_file), "-o", str(out_hf)]) == 0
+    assert json.loads(out_hf.read_text())["tasks"]["plays"] == scores
 
 
 @pytest.mark.slow
