@@ -98,7 +98,7 @@ def test_help_lists_every_section_and_field(tmp_path, train_py):
         for f in dataclasses.fields(JobConfig)
         if f.name != "plugin_sections"
     }
-    assert len(sections) == 10
+    assert len(sections) == 11
     help_lines = result.stdout.splitlines()
     for section, cls in {**sections, **plugins}.items():
         assert f"[{section}]" in help_lines, section

@@ -177,6 +177,31 @@ class TrainingConfig:
 
 
 @dataclass
+class ParallelismConfig:
+    """How the ranks shard the model: FSDP over all of them, or hybrid sharding (HSDP)."""
+
+    # Every rank trains on its own slice of each batch either way: the degrees only decide
+    # where each parameter's shards live. Their product is the world size.
+    dp_replicate: int = 1
+    """Copies of the sharded model (HSDP's replicas, one per node typically): gradients are
+    reduce-scattered within a copy, then all-reduced across copies once per optimizer step.
+    1: plain FSDP over all ranks."""
+    dp_shard: int = -1
+    """Ranks each copy of the model is sharded over (the GPUs of one node typically); -1: the
+    world size divided by ``dp_replicate``."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            self.dp_replicate >= 1, "dp_replicate", f"must be >= 1, got {self.dp_replicate}"
+        )
+        check_field(
+            self.dp_shard == -1 or self.dp_shard >= 1,
+            "dp_shard",
+            f"must be >= 1, or -1 for the rest of the ranks, got {self.dp_shard}",
+        )
+
+
+@dataclass
 class OptimizerConfig:
     """AdamW's settings."""
 
@@ -416,6 +441,7 @@ class JobConfig:
     job: JobInfoConfig = field(default_factory=JobInfoConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     data: DataConfig = field(default_factory=DataConfig)

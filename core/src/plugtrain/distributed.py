@@ -2,7 +2,8 @@
 
 Plain ``python train.py`` runs as a world of one process (a private in-memory store, no ports);
 ``torchrun`` gives N processes on one or several machines.
-CPU uses the gloo backend, CUDA uses NCCL.
+CPU uses the gloo backend, CUDA uses NCCL. The mesh is 1-D, ``("dp_shard",)``, for FSDP over
+every rank, and 2-D, ``("dp_replicate", "dp_shard")``, for hybrid sharding (``[parallelism]``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class World:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
+    """The data-parallel mesh the model is sharded over: every rank, 1-D or 2-D."""
 
     @property
     def is_main(self) -> bool:
@@ -44,8 +46,38 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def init_world(device_choice: str) -> World:
-    """Join (or, for a plain ``python`` launch, create) the process group and the device mesh."""
+def mesh_shape(world_size: int, dp_replicate: int = 1, dp_shard: int = -1) -> tuple[int, ...]:
+    """The mesh's shape for ``parallelism.dp_replicate`` and ``dp_shard`` on ``world_size``
+    ranks: ``(world_size,)`` for plain FSDP, ``(dp_replicate, dp_shard)`` for HSDP.
+
+    Degrees whose product is not the world size are refused in one line naming them.
+    """
+    if dp_replicate > 1 and world_size == 1:
+        raise ConfigError(
+            f"parallelism.dp_replicate = {dp_replicate} needs several processes but this run "
+            f"has one: launch with torchrun (a multiple of {dp_replicate} processes), or set "
+            f"dp_replicate = 1"
+        )
+    if dp_shard == -1:
+        if world_size % dp_replicate:
+            raise ConfigError(
+                f"parallelism.dp_replicate = {dp_replicate} (with dp_shard = -1, the rest) does "
+                f"not divide the world size {world_size}: set dp_replicate to a divisor of "
+                f"{world_size}"
+            )
+        dp_shard = world_size // dp_replicate
+    elif dp_replicate * dp_shard != world_size:
+        raise ConfigError(
+            f"parallelism.dp_replicate = {dp_replicate} x dp_shard = {dp_shard} is "
+            f"{dp_replicate * dp_shard} processes but the world size is {world_size}: choose "
+            f"degrees whose product is {world_size} (dp_shard = -1 takes the rest)"
+        )
+    return (world_size,) if dp_replicate == 1 else (dp_replicate, dp_shard)
+
+
+def init_world(device_choice: str, dp_replicate: int = 1, dp_shard: int = -1) -> World:
+    """Join (or, for a plain ``python`` launch, create) the process group and the device mesh
+    (:func:`mesh_shape` says which)."""
     device = resolve_device(device_choice)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
@@ -60,7 +92,9 @@ def init_world(device_choice: str) -> World:
             # the single-process run takes exactly the same FSDP2 code path as torchrun's.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world_size = dist.get_world_size()
-    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    shape = mesh_shape(world_size, dp_replicate, dp_shard)
+    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     return World(dist.get_rank(), world_size, local_rank, device, mesh)
 
 

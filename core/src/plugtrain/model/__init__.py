@@ -15,7 +15,7 @@ __getattr__, __dir__, __all__ = front_door(
             "to_hf",
         ],
         "memory": ["estimate_run"],
-        "sharding": ["DTYPES", "build_model", "reshard"],
+        "sharding": ["DTYPES", "build_model", "replica_sync", "reshard"],
         "decoding": ["TextTokenizer", "complete", "generate", "next_token"],
         "transformer": ["KVCache", "Transformer", "scale_rope_frequencies"],
     },

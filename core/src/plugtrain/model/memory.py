@@ -169,14 +169,16 @@ def estimate_memory(
     param_dtype: str,
     reduce_dtype: str,
     checkpointing: Checkpointing,
+    dp_replicate: int = 1,
 ) -> MemoryEstimate:
     """The bytes each of ``world_size`` processes holds at a step's peak, training ``args`` on
-    microbatches of ``microbatch`` sequences of ``seq_len`` tokens (dtypes by config name)."""
+    microbatches of ``microbatch`` sequences of ``seq_len`` tokens (dtypes by config name); the
+    model is sharded over ``world_size / dp_replicate`` of them (HSDP keeps that many copies)."""
     p, r = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
     n, tokens = args.num_params(), microbatch * seq_len
     sharded = needs_sharding(world_size, DTYPES[param_dtype], DTYPES[reduce_dtype])
-    ranks = world_size if sharded else 1
-    where = f"fp32, 1/{world_size} of the model each" if sharded else "fp32, not sharded"
+    ranks = world_size // dp_replicate if sharded else 1
+    where = f"fp32, 1/{ranks} of the model each" if sharded else "fp32, not sharded"
     block, out_proj = _block_params(args), args.vocab_size * args.dim
     gathered = 0
     if sharded:
@@ -245,6 +247,7 @@ def estimate_run(
         param_dtype=train.mixed_precision_param,
         reduce_dtype=train.mixed_precision_reduce,
         checkpointing=checkpointing_of(config),
+        dp_replicate=config.parallelism.dp_replicate,
     )
     setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"
     return dataclasses.replace(estimate, setting=setting)

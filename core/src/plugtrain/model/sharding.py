@@ -32,6 +32,9 @@ def shard_model(
 ) -> MixedPrecisionPolicy:
     """Apply FSDP2 to each transformer block, then to the root; return the policy used.
 
+    A 1-D ``mesh`` shards every parameter over all its ranks (FSDP); a 2-D one,
+    ``("dp_replicate", "dp_shard")``, shards it within each row and keeps one copy per row
+    (HSDP: gradients are reduce-scattered within a row, then all-reduced across rows).
     Nothing is applied where :func:`needs_sharding` says there is nothing to do: the
     parameters then stay plain tensors.
     """
@@ -44,6 +47,24 @@ def shard_model(
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return policy
+
+
+def replica_sync(model: nn.Module, mesh: DeviceMesh) -> Callable[[bool], None]:
+    """The switch of HSDP's gradient all-reduce across replicas, for gradient accumulation.
+
+    Call it with False before the backward of every microbatch but the last and with True
+    before the last: FSDP2 then keeps the microbatches' reduce-scattered gradients on each
+    rank and all-reduces their sum once per optimizer step, not once per microbatch. A no-op
+    (nothing to switch) on a 1-D mesh.
+    """
+    hsdp = mesh.ndim > 1
+    modules = [m for m in model.modules() if hsdp and isinstance(m, FSDPModule)]
+
+    def switch(all_reduce: bool) -> None:
+        for module in modules:
+            module.set_requires_all_reduce(all_reduce, recurse=False)
+
+    return switch
 
 
 def reshard(model: nn.Module) -> None:

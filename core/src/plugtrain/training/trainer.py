@@ -47,6 +47,7 @@ from plugtrain.model import (
     Transformer,
     build_model,
     estimate_run,
+    replica_sync,
     reshard,
 )
 from plugtrain.observability import (
@@ -91,7 +92,8 @@ class Trainer:
 
     def __init__(self, config: JobConfig, host: PluginHost) -> None:
         self.config, self.host, self.hook = config, host, host.hook
-        self.world: World = init_world(config.training.device)
+        par = config.parallelism
+        self.world: World = init_world(config.training.device, par.dp_replicate, par.dp_shard)
         setup_logging(self.world.rank, config.metrics.log_all_ranks)
         # Before anything is written to the folder; a second run must leave it untouched.
         self.dump_folder_lock = lock_dump_folder(config.job.dump_folder, self.world)
@@ -160,6 +162,8 @@ class Trainer:
         )
         self.params = tuple(self.model.parameters())
         """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
+        self.sync_replicas = replica_sync(self.model, self.world.mesh)
+        """HSDP: whether the next backward all-reduces the gradients across replicas."""
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         if self.initial_load is not None:
             self.initial_load.check(self.model, self.model_args, config.model.tokenizer_path)
@@ -351,6 +355,7 @@ class Trainer:
             lap("fwd_bwd")
             self.hook.pre_backward(ctx=ctx)
             lap("hooks")
+            self.sync_replicas(ctx.microbatch == ctx.num_microbatches - 1)
             ctx.loss.backward()
         lap("fwd_bwd")
         self.hook.unscale_gradients(ctx=ctx)
