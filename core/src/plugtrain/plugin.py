@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plugtrain import API_VERSION, PROJECT_NAME
@@ -49,12 +50,14 @@ __all__ = [
     "ValidationContext",
     "check_field",
     "complete",
+    "data_parallel_group",
     "encode_tasks",
     "export_hf",
     "full_tensor",
     "hookimpl",
     "local_tensor",
     "read_task",
+    "reduce_over_replicas",
     "score",
     "total_norm",
     "wrap_forward",
@@ -145,7 +148,12 @@ class SetupContext:
     """Dtype of the gradient reduce-scatter (``training.mixed_precision_reduce``)."""
     device: torch.device
     mesh: DeviceMesh
-    """The data-parallel device mesh over all ranks."""
+    """The data-parallel device mesh over all ranks (``[parallelism]``): 1-D, ``("dp_shard",)``,
+    under FSDP; 2-D, ``("dp_replicate", "dp_shard")``, under hybrid sharding (HSDP), where each
+    parameter is sharded within a row and the rows hold equal copies. Every rank trains on its
+    own data: reduce a value computed from the data (a loss) over :func:`data_parallel_group`;
+    a value of the gradients or parameters with DTensor ops (:func:`total_norm`), which reduce
+    over the shards only, not over the replicas' equal copies."""
     rank: int
     world_size: int
     name_of: Callable[[object], str] = field(repr=False)
@@ -333,15 +341,43 @@ MetricValue = float | int | torch.Tensor
 Metrics = Mapping[str, MetricValue]
 
 
+def data_parallel_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of all of ``mesh``'s ranks, over every dimension: the ranks that train
+    on different data, over which a value computed from the data (a loss) is reduced. Call it
+    on every rank at once (in ``setup``): on a 2-D mesh its first call creates the group."""
+    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten("dp").get_group()
+
+
+def reduce_over_replicas(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """All-reduce ``value`` in place with max over the mesh dimensions where DTensor ``like``
+    is replicated (HSDP's ``dp_replicate``); return it. A no-op for a plain tensor ``like`` and
+    under FSDP (no such dimension): no collective.
+
+    DTensor ops reduce a gradient's values over its shards only, since the replicas hold equal
+    copies after FSDP2's all-reduce. A flag every rank must act on together (skip the step) is
+    made the same everywhere with this, even if one replica's gradients were changed after
+    that all-reduce.
+    """
+    placements = getattr(like, "placements", ())
+    for dim, placement in enumerate(placements):
+        group = like.device_mesh.get_group(dim)  # type: ignore[attr-defined]
+        if placement.is_replicate() and group.size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value
+
+
 def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The ``norm_type`` norm of all ``tensors`` together, over every rank and FSDP2 shard.
 
     A 0-d fp32 tensor on the device, the same on every rank, as ``clip_grad_norm_`` computes it
-    on the unsharded model; inf or nan if any element is. Nothing is read on the host.
+    on the unsharded model; inf or nan if any element is. Nothing is read on the host. Under
+    HSDP it is computed over the shards of one replica, then made the same on every replica
+    (:func:`reduce_over_replicas`: a no-op when their gradients are equal, as they are).
     """
     # On DTensor gradients the norm is a DTensor that may still be partial over ranks
     # (Partial(max) for inf): full_tensor() all-reduces it into the global norm.
-    return full_tensor(torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True))
+    norm = full_tensor(torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True))
+    return reduce_over_replicas(norm, tensors[0]) if tensors else norm
 
 
 # --------------------------------------------------------------------------- run control

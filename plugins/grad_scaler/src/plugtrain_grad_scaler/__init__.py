@@ -27,7 +27,14 @@ from typing import Any, Literal
 
 import torch
 
-from plugtrain.plugin import ConfigError, SetupContext, StepContext, check_field, hookimpl
+from plugtrain.plugin import (
+    ConfigError,
+    SetupContext,
+    StepContext,
+    check_field,
+    hookimpl,
+    reduce_over_replicas,
+)
 
 __all__ = ["GradScaler", "GradScalerConfig"]
 
@@ -131,9 +138,14 @@ class GradScaler:
         # ShardedGradScaler (built for FSDP1's plain tensors) all-reduces found_inf again on
         # top: two collectives instead of one (found_inf = 2.0 on 2 ranks). Measured on 2
         # processes by tests/test_two_processes.py::test_choice_of_grad_scaler_class.
+        # Under HSDP that all-reduce covers the shards of one replica only (DTensor takes the
+        # replicas' gradients to be equal): reduce_over_replicas makes the flag the same on
+        # every replica even if one's gradients went bad after FSDP2's all-reduce.
         inv_scale = self._active().double().reciprocal().float()
         self.found_inf.zero_()
-        torch._amp_foreach_non_finite_check_and_unscale_(ctx.gradients(), self.found_inf, inv_scale)
+        grads = ctx.gradients()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+        reduce_over_replicas(self.found_inf, grads[0])
 
     @hookimpl
     def pre_step(self) -> torch.Tensor:

@@ -34,6 +34,7 @@ from plugtrain.plugin import (
     SetupContext,
     StepContext,
     check_field,
+    data_parallel_group,
     hookimpl,
     total_norm,
 )
@@ -166,7 +167,7 @@ class SpikeGuard:
         self._allocate(ctx.device, min(log_freq, cfg.check_every or log_freq))
         self._world_size = ctx.world_size
         if ctx.world_size > 1:
-            self._group = ctx.mesh.get_group()
+            self._group = data_parallel_group(ctx.mesh)  # each rank's loss is its own data's
         if ctx.rank == 0:
             self.log_path = Path(ctx.config.job.dump_folder) / EVENT_LOG
             # A step is tested once the steps before it filled the warmup.
