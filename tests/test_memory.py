@@ -133,6 +133,13 @@ def test_plugtrain_estimate_names_a_batch_that_does_not_divide(capsys):
     )
 
 
+def test_plugtrain_estimate_refuses_degrees_that_do_not_fit_its_gpus(capsys):
+    config = str(LLAMA3_8B.with_name("debug.toml"))
+    assert main(["estimate", config, "--gpus", "4", "--parallelism.dp_replicate", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "parallelism.dp_replicate = 3" in err and "world size 4" in err and "\n" not in err
+
+
 def test_a_run_logs_its_estimate_at_start_up(tmp_path, capsys):
     trainer = make_trainer(tmp_path, steps=1)
     try:

@@ -51,6 +51,7 @@ from typing import Literal
 
 from plugtrain.config import JobConfig
 from plugtrain.data import Tokenizer
+from plugtrain.distributed import mesh_shape
 from plugtrain.errors import ConfigError
 from plugtrain.model.sharding import DTYPES, needs_sharding
 from plugtrain.model.transformer import ModelArgs
@@ -225,7 +226,10 @@ def estimate_run(
     where that file does not exist, the flavor's is used (and the estimate says so). With flavor
     ``hf`` the embedding has config.json's rows whatever the tokenizer.
     """
-    train = config.training
+    train, par = config.training, config.parallelism
+    # Degrees a run on world_size processes would refuse are refused here too.
+    shape = mesh_shape(world_size, par.dp_replicate, par.dp_shard)
+    replicas = shape[0] if len(shape) == 2 else 1
     parts = world_size * train.grad_accum_steps
     if train.batch_size % parts:
         raise ConfigError(
@@ -247,7 +251,7 @@ def estimate_run(
         param_dtype=train.mixed_precision_param,
         reduce_dtype=train.mixed_precision_reduce,
         checkpointing=checkpointing_of(config),
-        dp_replicate=config.parallelism.dp_replicate,
+        dp_replicate=replicas,
     )
     setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"
     return dataclasses.replace(estimate, setting=setting)
