@@ -42,10 +42,11 @@ token of the validation batches, in bits, over the UTF-8 bytes of text those tok
 (``Tokenizer.token_byte_lengths``: special tokens such as ``<|end_of_text|>`` stand for 0 bytes
 but their loss counts; a SentencePiece tokenizer's leading space counts 1 byte per document).
 
-A run resumed from a checkpoint first cuts the file back to the checkpoint's step, so that its
-records continue it as if the run had never stopped. A run without checkpoints started again in
-the same folder appends from step 1, so a step may appear twice; readers keep the last record of
-a step (``plugtrain plot`` does).
+A run resumed from a checkpoint, or rewound to one (a plugin's ``RunControl.rewind``), first
+cuts the file back to the checkpoint's step, so that its records continue it as if the run had
+never stopped, each step once (the undone steps' history is the rewinding plugin's to log). A
+run without checkpoints started again in the same folder appends from step 1, so a step may
+appear twice; readers keep the last record of a step (``plugtrain plot`` does).
 
 Sinks: the JSONL file (always), TensorBoard (``[metrics] enable_tensorboard``, event files in
 ``<dump_folder>/tensorboard``) and Weights & Biases (``[metrics] enable_wandb``; set
@@ -280,12 +281,15 @@ class MetricsLogger:
     def start(self, step: int) -> None:
         """Open ``metrics.jsonl`` for a run that continues after ``step`` (0: a new run).
 
-        A resumed run cuts the file back to ``step``, so that its records continue the
-        interrupted run's exactly. A new run moves an earlier run's file aside, to
-        ``metrics.<N>.jsonl``, rather than mixing its records with it or deleting it.
+        A resumed (or rewound) run cuts the file back to ``step``, so that its records continue
+        the interrupted run's exactly and each step has one record. A new run moves an earlier
+        run's file aside, to ``metrics.<N>.jsonl``, rather than mixing its records with it or
+        deleting it.
         """
         if not self.enabled:
             return
+        if self._file is not None:  # a rewind
+            self._file.close()
         if step:
             truncate_metrics(self.path, step)
         elif self.path.is_file() and self.path.stat().st_size:

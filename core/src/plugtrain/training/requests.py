@@ -48,8 +48,9 @@ class RunRequests:
             logger.warning("finishing the rewind interrupted at step %d", self._unfinished.step)
             self._rewind(self._unfinished)
 
-    def after_step(self) -> None:
-        """Apply the requests made during the step just taken (collective if a rewind)."""
+    def after_step(self) -> bool:
+        """Apply the requests made during the step just taken (collective if a rewind); True
+        if the run rewound."""
         control = self.control
         skips, control.requested_skips = control.requested_skips, []
         rewind, control.requested_rewind = control.requested_rewind, None
@@ -63,6 +64,7 @@ class RunRequests:
             self._write(rewind)
         if rewind is not None:
             self._rewind(rewind)
+        return rewind is not None
 
     def _rewind(self, rewind: Rewind) -> None:
         loaded = self.checkpointer.rewind(rewind.to_step)

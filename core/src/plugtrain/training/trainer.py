@@ -417,7 +417,9 @@ class Trainer:
             signal = self.stop.vote()
             stop = signal.name if signal is not None else self.control.requested_stop
             self.checkpointer.after_step(self.step, stop is not None)
-            self.requests.after_step()
+            if self.requests.after_step():
+                # The steps after the checkpoint rewound to are undone: so are their records.
+                self.metrics.start(self.step)
             if stop is not None:
                 self._log_stop(stop)
                 break
