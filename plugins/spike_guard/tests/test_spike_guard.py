@@ -9,6 +9,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import pytest
+import torch
 from plugtrain_spike_guard import EVENT_LOG
 
 from plugtrain.plugin import SkipRange, StepContext, hookimpl
@@ -155,7 +156,9 @@ module.rewinding_run(sys.argv[2], sys.argv[3])
 def test_a_kill_during_a_rewind_resumes_into_the_same_run(tmp_path, reference):
     script, folder, marker = tmp_path / "run.py", tmp_path / "run", tmp_path / "killed"
     script.write_text(SCRIPT)
-    killed = run_script(script, [__file__, str(folder), str(marker)])
+    # With the test process's thread count: the resume, in this process, must add alike.
+    threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    killed = run_script(script, [__file__, str(folder), str(marker)], env=threads)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     unfinished = json.loads((folder / "data_skips.json").read_text())["rewind"]
     assert (unfinished["step"], unfinished["to_step"]) == (7, 5)
