@@ -14,6 +14,7 @@ from plugtrain_spike_guard import EVENT_LOG
 
 from plugtrain.plugin import SkipRange, StepContext, hookimpl
 from plugtrain.testing import (
+    PoisonBatches,
     make_trainer,
     parameter_checksums,
     read_metrics,
@@ -27,19 +28,6 @@ DETECT = (
     "--spike_guard.window", "4", "--spike_guard.warmup_steps", "3",
     "--spike_guard.sigma", "6", "--spike_guard.signals", "grad_norm",
 )  # fmt: skip
-
-
-class PoisonBatches:
-    """Poisoned data: multiplies the loss of the chosen global batches by ``factor`` (after
-    spike_guard has taken the step's loss), so that their gradients spike."""
-
-    def __init__(self, batches: Collection[int], factor: float = 1e4) -> None:
-        self.batches, self.factor = set(batches), factor
-
-    @hookimpl
-    def pre_backward(self, ctx: StepContext) -> None:
-        if ctx.batch in self.batches and ctx.loss is not None:
-            ctx.loss = ctx.loss * self.factor
 
 
 class VetoSteps:

@@ -23,7 +23,8 @@ Unit tests of one hook (:mod:`~plugtrain.testing.contexts`): :func:`step_context
 :func:`setup_context` and :func:`model_context` build real contexts.
 
 Faults (:mod:`~plugtrain.testing.faults`): :class:`InjectInf` puts inf into the loss or one
-rank's gradients at given steps (:func:`poison` does it by hand); :class:`SigtermAt` stops a
+rank's gradients at given steps (:func:`poison` does it by hand); :class:`PoisonBatches` makes
+given batches spike; :class:`SigtermAt` stops a
 run with SIGTERM on one rank, and :func:`interrupted_and_resumed` checks that a stopped run
 resumes exactly.
 
@@ -63,7 +64,7 @@ __getattr__, __dir__, __all__ = front_door(
             "count_costs",
         ],
         "contexts": ["model_context", "setup_context", "step_context"],
-        "faults": ["InjectInf", "SigtermAt", "interrupted_and_resumed", "poison"],
+        "faults": ["InjectInf", "PoisonBatches", "SigtermAt", "interrupted_and_resumed", "poison"],
         "hf": [
             "HF_VARIANTS",
             "hf_llama_config",

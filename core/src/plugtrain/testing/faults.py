@@ -1,7 +1,8 @@
-"""Faults for tests: inf in the loss or the gradients, a SIGTERM mid-run, stop and resume.
+"""Faults for tests: inf in the loss or the gradients, poisoned batches, a SIGTERM mid-run.
 
 :class:`InjectInf` puts inf into the loss or one rank's gradients at given steps (:func:`poison`
-does it by hand); :class:`SigtermAt` stops a run with SIGTERM on one rank, and
+does it by hand); :class:`PoisonBatches` makes given global batches spike, wherever a rewind
+puts them; :class:`SigtermAt` stops a run with SIGTERM on one rank, and
 :func:`interrupted_and_resumed` checks that a stopped run resumes exactly.
 """
 
@@ -61,6 +62,21 @@ class InjectInf:
         if self.where == "gradients" and self._due(ctx):
             poison(ctx.model, self.value)
         return (yield)
+
+
+class PoisonBatches:
+    """Poisoned data: multiplies the loss of the chosen global batches (``StepContext.batch``)
+    by ``factor``, after a ``wrapper=True`` implementation (spike_guard) took the step's loss,
+    so that their gradients spike. Tied to the batches, not the steps: a run that rewinds and
+    skips them never sees them again."""
+
+    def __init__(self, batches: Collection[int], factor: float = 1e4) -> None:
+        self.batches, self.factor = set(batches), factor
+
+    @hookimpl
+    def pre_backward(self, ctx: StepContext) -> None:
+        if ctx.batch in self.batches and ctx.loss is not None:
+            ctx.loss = ctx.loss * self.factor
 
 
 def poison(model: nn.Module, value: float = math.inf) -> None:
