@@ -60,12 +60,14 @@ a resumed run continues, the LR schedule's planned length) to the dump folder.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import math
 import os
 import platform
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -74,6 +76,7 @@ from typing import IO, TYPE_CHECKING, Any
 import torch
 
 from plugtrain import __version__
+from plugtrain.errors import DumpFolderError
 
 if TYPE_CHECKING:
     from plugtrain.config import JobConfig
@@ -305,11 +308,33 @@ class MetricsLogger:
         if not self.enabled:
             return
         assert self._file is not None, "MetricsLogger.start() opens the file"
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise self._write_failed(e) from e
         for sink in self._sinks:
             sink.write(record)
         logger.info(format_line(record, self.color, self.shown))
+
+    def _write_failed(self, error: OSError) -> DumpFolderError:
+        """The one-line error for a failed write (a full disk); the file is let go, unflushed:
+        a resume cuts its unfinished last line."""
+        with contextlib.suppress(OSError):  # closing flushes what failed again
+            assert self._file is not None
+            self._file.close()
+        self._file = None
+        try:
+            space = (
+                f" ({shutil.disk_usage(self.folder).free / 2**20:.1f} MiB free in {self.folder})"
+            )
+        except OSError:
+            space = ""
+        return DumpFolderError(
+            f"cannot write {self.path}: {error.strerror or error}{space}; free space or set "
+            "job.dump_folder elsewhere, then run the same command: it resumes from the latest "
+            "complete checkpoint"
+        )
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
