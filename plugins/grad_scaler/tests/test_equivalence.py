@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from plugtrain.plugin import full_tensor, hookimpl, local_tensor
-from plugtrain.testing import InjectInf, Trainer, cross_entropy, make_trainer, poison, read_metrics
+from plugtrain.testing import (
+    InjectInf,
+    Trainer,
+    canonical_fp16_loop,
+    grad_norm,
+    make_trainer,
+    read_metrics,
+)
 
 STEPS = 6
 INF_STEPS = {2, 5}
@@ -29,40 +36,18 @@ class GradNorms:
         self.norms.append(grad_norm(ctx.model))
 
 
-def grad_norm(model: torch.nn.Module) -> float:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return torch.stack([full_tensor(g).norm() for g in grads]).norm().item()
-
-
 def reference_loop(dump_folder, clip: bool) -> tuple[Trainer, list[float], list[float]]:
-    """The canonical loop (PyTorch AMP docs) on the trainer's model, fused optimizer, schedule
-    and data: scale, backward, unscale_, [clip_grad_norm_], step, update; the LR schedule
-    advances only on steps the scaler did not skip (a skip is seen as the scale backing off).
+    """The kit's canonical loop (scale, backward, unscale_, [clip_grad_norm_], step, update) on
+    the trainer's model, fused optimizer, schedule and data.
 
     Returns the trained trainer, the scale after each step and the norm after unscale_."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "training.mixed_precision_param is float16")
         trainer = make_trainer(dump_folder, *TRAINING, steps=STEPS)  # no plugins
-    model, optimizer, lr_scheduler = trainer.model, trainer.optimizer, trainer.lr_scheduler
-    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
-    scales, norms = [], []
-    for step in range(1, STEPS + 1):
-        batch = trainer.batches.next_batch()
-        for inputs, targets in batch:
-            scaler.scale(cross_entropy(model(inputs), targets) / len(batch)).backward()
-        if step in INF_STEPS:
-            poison(model)
-        scaler.unscale_(optimizer)
-        norms.append(grad_norm(model))
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        scale_before = scaler.get_scale()
-        scaler.step(optimizer)
-        scaler.update()
-        lr_scheduler.step(torch.tensor(scaler.get_scale() >= scale_before))
-        optimizer.zero_grad(set_to_none=True)
-        scales.append(scaler.get_scale())
-    return trainer, scales, norms
+    recipe = canonical_fp16_loop(
+        trainer, STEPS, INF_STEPS, MAX_NORM if clip else None, growth_interval=2
+    )
+    return trainer, recipe.scales, recipe.norms
 
 
 def check_against_reference(

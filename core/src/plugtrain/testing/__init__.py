@@ -42,6 +42,11 @@ The reference data path (:mod:`~plugtrain.testing.reference`): :func:`load_jsonl
 :func:`tokenize_documents`, :class:`InMemoryStream` and :func:`build_dataset` read, frame and
 pack a JSONL file in memory, the oracle that prepared data is checked against.
 
+The hand-written recipes (:mod:`~plugtrain.testing.recipes`): :func:`canonical_fp16_loop` is
+the canonical ``torch.amp.GradScaler`` loop (clipping optional) on a trainer's model, on its
+device, that the ``grad_scaler`` plugin must equal bit for bit; :func:`grad_norm` reads a
+model's global gradient norm.
+
 Plugin objects handed to a multi-process run are pickled into spawned processes: define their
 classes at module level. Functions handed to :func:`run_distributed` must be module level too,
 in any module, test files included (a module that is not importable by name, as pytest's
@@ -74,6 +79,7 @@ __getattr__, __dir__, __all__ = front_door(
         ],
         "processes": ["free_port", "run_distributed", "run_script"],
         "pytest_plugin": ["plugtrain_run"],
+        "recipes": ["RecipeResult", "canonical_fp16_loop", "grad_norm"],
         "reference": ["InMemoryStream", "build_dataset", "load_jsonl_texts", "tokenize_documents"],
         "runs": [
             "SAMPLE",
