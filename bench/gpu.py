@@ -17,6 +17,9 @@ without CUDA it stops at once with exit status 2 and says so.
 
     python bench/gpu.py                   # add --compile, --ac full: the transform plugins
     python bench/gpu.py --quick           # a minute: few steps, checks that it all runs
+
+``bench/gpu_check.py`` runs the GPU tests and these parts, one by one, as a GPU session's one
+prepared command.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import gc
 import sys
 import time
+from collections.abc import Sequence
 
 import benchlib
 import torch
@@ -35,12 +39,12 @@ FP16_TARGET = 0.97
 """fp16 with the scaler must reach at least this fraction of bf16's tokens/s."""
 
 
-def require_cuda() -> None:
+def require_cuda(prog: str = "bench/gpu.py") -> None:
     """Exit at once, with a one-line reason, when there is no CUDA device to benchmark."""
     if not torch.cuda.is_available():
         built = torch.version.cuda or "no CUDA (a CPU-only build)"
         print(
-            f"bench/gpu.py: error: no CUDA device available (torch {torch.__version__} built "
+            f"{prog}: error: no CUDA device available (torch {torch.__version__} built "
             f"with {built}): run it on a machine with an NVIDIA GPU; the CPU benchmarks are "
             "bench/hook_overhead.py, dispatch.py, inactive_scaler.py and scaling.py",
             file=sys.stderr,
@@ -73,8 +77,10 @@ def throughput(
     compile_: bool,
     peak: float | None,
     ac: str | None = None,
+    extra: Sequence[str] = (),
 ) -> dict:
-    """Tokens/s, MFU and peak memory of ``Trainer.train_step`` with both plugins enabled."""
+    """Tokens/s, MFU and peak memory of ``Trainer.train_step`` with both plugins enabled
+    (``extra``: more config arguments, last)."""
     from hook_overhead import PLUGINS, timed
 
     from plugtrain.training.launch import configure
@@ -92,7 +98,7 @@ def throughput(
     transforms = transform_args(compile_, ac)
     if transforms:  # the last --plugins.enabled wins: name every plugin in it
         transforms[1] = ",".join([*PLUGINS, transforms[1]])
-    trainer = Trainer(*configure([*train_args, *transforms]))
+    trainer = Trainer(*configure([*train_args, *transforms, *extra]))
     step = trainer.train_step
     for _ in range(warmup):
         step(trainer.batches.next_batch())
