@@ -21,6 +21,7 @@ from plugtrain.model.transformer import (
     Transformer,
     apply_rotary_emb,
     precompute_freqs_cis,
+    rotate_pairs,
 )
 from plugtrain.testing import free_port
 
@@ -118,6 +119,40 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
     torch.testing.assert_close(rotated[0], x[0, 0, 0])
     torch.testing.assert_close(score(0, 0), q @ k)  # position 0 is not rotated
     assert not torch.allclose(score(5, 2), score(5, 4))
+
+
+def complex_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """RoPE as one complex multiplication per channel pair: the reference (Meta's formula)."""
+    x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(x_c * freqs_cis[None, :, None, :]).flatten(-2).type_as(x)
+
+
+@pytest.mark.parametrize(
+    ("start", "seq", "dtype"),
+    [
+        (0, 128, torch.float32),
+        (37, 1, torch.float32),
+        (5, 7, torch.float32),
+        (0, 16, torch.bfloat16),
+    ],
+    ids=["train", "decode-step", "prefill-after-cache", "bf16"],
+)
+def test_rope_in_real_arithmetic_is_bitwise_the_complex_product(start, seq, dtype) -> None:
+    """rotate_pairs (what torch.compile traces) and apply_rotary_emb, eager and compiled, give
+    the complex formula's values and gradients bit for bit, at any position (the KV cache's)."""
+    freqs_cis = precompute_freqs_cis(32, max_seq_len=256, theta=500000.0)[start : start + seq]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, seq, 4, 32, generator=gen).to(dtype).requires_grad_()
+    grad = torch.randn(3, seq, 4, 32, generator=gen).to(dtype)
+    expected = complex_rope(x, freqs_cis)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad)
+    compiled = torch.compile(apply_rotary_emb, backend="eager", fullgraph=True)
+    for rope in (rotate_pairs, apply_rotary_emb, compiled):
+        out = rope(x, freqs_cis)
+        (out_grad,) = torch.autograd.grad(out, x, grad)
+        assert out.dtype == dtype
+        assert torch.equal(out, expected), rope
+        assert torch.equal(out_grad, expected_grad), rope
 
 
 def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:

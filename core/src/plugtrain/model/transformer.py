@@ -34,6 +34,7 @@ __all__ = [
     "TransformerBlock",
     "apply_rotary_emb",
     "precompute_freqs_cis",
+    "rotate_pairs",
     "scale_rope_frequencies",
 ]
 
@@ -77,11 +78,25 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     ``freqs_cis`` is [S, head_dim/2] (a slice of ``precompute_freqs_cis``).
 
     Meta's convention (adjacent pairs, not the rotate-half layout of Hugging Face). The rotation
-    runs in float32 whatever the activation dtype, then casts back.
+    runs in float32 whatever the activation dtype, then casts back. Eagerly it is one complex
+    multiplication (one kernel); under ``torch.compile`` it is :func:`rotate_pairs`, the same
+    products in real arithmetic, bitwise equal, which inductor fuses with the projections
+    around it (it generates no code for complex operators and would fall back to eager).
     """
+    if torch.compiler.is_compiling():
+        return rotate_pairs(x, freqs_cis)
     x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     rotated = torch.view_as_real(x_c * freqs_cis[None, :, None, :]).flatten(-2)
     return rotated.type_as(x)
+
+
+def rotate_pairs(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary_emb` in real arithmetic: each pair ``(a, b)`` and rotation
+    ``c + i s`` give ``(a c - b s, a s + b c)``, the products and sums of the complex
+    multiplication ``(a + ib)(c + is)``, in its order, so the result is bitwise the same."""
+    cos, sin = torch.view_as_real(freqs_cis)[None, :, None, :].unbind(-1)
+    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
 
 
 Fill = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
