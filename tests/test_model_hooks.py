@@ -24,10 +24,10 @@ class Wrapper:
 
 
 class Compiler:
-    """A stand-in compiler: checks that every wrapper came first, counts block calls."""
+    """A stand-in compiler: checks that every wrapper came first, counts block and loss calls."""
 
     def __init__(self, log: list) -> None:
-        self.log, self.calls = log, 0
+        self.log, self.calls, self.loss_calls = log, 0, 0
 
     @hookimpl
     def compile_model(self, ctx: ModelContext) -> None:
@@ -44,6 +44,13 @@ class Compiler:
 
         for block in ctx.blocks:
             wrap_forward(block, count)
+        loss_fn = ctx.loss_fn
+
+        def counted_loss(logits, targets):
+            self.loss_calls += 1
+            return loss_fn(logits, targets)
+
+        ctx.loss_fn = counted_loss
 
 
 @pytest.mark.parametrize("compiler_first", [True, False])
@@ -58,6 +65,7 @@ def test_wrappers_run_before_the_compiler_whatever_the_registration_order(tmp_pa
     assert log == [("wrap", "meta", 2), ("compile", True, "cpu", torch.bfloat16, 1)]
     trainer.run()
     assert dict(plugins)["compiler"].calls == 3 * 2  # 3 steps, 2 blocks
+    assert dict(plugins)["compiler"].loss_calls == 3  # the trainer's loss is the compiler's
 
 
 def test_a_wrapped_model_trains_to_the_same_parameters_with_the_same_names(tmp_path):

@@ -144,7 +144,9 @@ def compile_model(ctx: ModelContext) -> None:
     outside the compiled regions. Compile forwards in place with
     :func:`plugtrain.plugin.wrap_forward` (not ``Module.compile()``, which would compile the
     module's hooks too); call ``ctx.register_compiler(self)`` first: two compilers are refused,
-    since they do not commute.
+    since they do not commute. The loss path is reachable too: the final norm is ``ctx.norm``,
+    and ``ctx.loss_fn``, the training loss from logits and targets, may be replaced by a
+    compiled version of itself, which the trainer then calls at every microbatch.
     """
 
 

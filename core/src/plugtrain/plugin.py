@@ -89,6 +89,13 @@ class ModelContext:
     """The :class:`~plugtrain.model.transformer.Transformer`, on the meta device, unsharded."""
     blocks: tuple[nn.Module, ...]
     """The transformer blocks, ``model.layers`` in order: each is sharded on its own (FSDP2)."""
+    norm: nn.Module
+    """The final RMSNorm, ``model.norm``, between the last block and the output projection."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """The loss of a training microbatch from its logits and targets: the mean fp32
+    cross-entropy. A compiler may replace it, in ``compile_model`` only, by a compiled version
+    of itself (``ctx.loss_fn = torch.compile(ctx.loss_fn)``); the trainer calls what it holds
+    after the model hooks, at every microbatch. Validation keeps the plain cross-entropy."""
     device: torch.device
     """The device the model will be materialised on and trained on."""
     param_dtype: torch.dtype

@@ -17,6 +17,6 @@ __getattr__, __dir__, __all__ = front_door(
         "memory": ["estimate_run"],
         "sharding": ["DTYPES", "build_model", "replica_sync", "reshard"],
         "decoding": ["TextTokenizer", "complete", "generate", "next_token"],
-        "transformer": ["KVCache", "Transformer", "scale_rope_frequencies"],
+        "transformer": ["KVCache", "Transformer", "cross_entropy", "scale_rope_frequencies"],
     },
 )

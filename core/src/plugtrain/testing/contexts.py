@@ -156,7 +156,7 @@ def model_context(
     ``Transformer``, on the CPU and initialised (seed 0), unless ``model`` is given: the hooks
     can be checked by running it. One process, the CPU.
     """
-    from plugtrain.model import FLAVORS, Transformer
+    from plugtrain.model import FLAVORS, Transformer, cross_entropy
 
     config, name_of = _configured(plugins, args)
     if model is None:
@@ -166,6 +166,8 @@ def model_context(
         config=config,
         model=model,
         blocks=tuple(model.layers),  # type: ignore[arg-type]
+        norm=model.norm,  # type: ignore[arg-type]
+        loss_fn=cross_entropy,
         device=torch.device("cpu"),
         param_dtype=param_dtype,
         reduce_dtype=torch.float32,

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from plugtrain import sample
 from plugtrain.checkpoint import (
@@ -46,6 +45,7 @@ from plugtrain.model import (
     DTYPES,
     Transformer,
     build_model,
+    cross_entropy,
     estimate_run,
     replica_sync,
     reshard,
@@ -80,11 +80,6 @@ logger = logging.getLogger("plugtrain")
 
 StepBatch = Sequence[MicroBatch]
 """The microbatches of one optimizer step, on this rank."""
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
 
 
 class Trainer:
@@ -267,11 +262,14 @@ class Trainer:
         )
 
     def _transform_model(self, model: Transformer) -> None:
-        """Fire the model hooks on the unsharded model, on the meta device: wrap, then compile."""
+        """Fire the model hooks on the unsharded model, on the meta device: wrap, then compile;
+        keep the training loss function they leave (a compiler may compile it)."""
         ctx = ModelContext(
             config=self.config,
             model=model,
             blocks=tuple(model.layers),
+            norm=model.norm,
+            loss_fn=cross_entropy,
             device=self.device,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
@@ -281,6 +279,7 @@ class Trainer:
         )
         self.hook.wrap_model(ctx=ctx)
         self.hook.compile_model(ctx=ctx)
+        self.loss_fn = ctx.loss_fn
 
     def _setup_plugins(self) -> None:
         ctx = SetupContext(
@@ -343,7 +342,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for ctx.microbatch, (inputs, targets) in enumerate(batch):
             logits = self.model(inputs)
-            loss = cross_entropy(logits, targets) / ctx.num_microbatches
+            loss = self.loss_fn(logits, targets) / ctx.num_microbatches
             loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
             if self.loss_terms is not None:  # only in runs where a plugin implements the hook
                 terms = self.host.results(
