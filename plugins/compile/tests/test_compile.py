@@ -15,29 +15,36 @@ AOT_EAGER = (*ENABLE, "--compile.backend", "aot_eager")
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    """Each test compiles from scratch: no cache entries, counters or recompile limits carried."""
+    """Each test compiles from scratch: no cache entries, counters or recompile limits carried
+    (``reset`` leaves the counters)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     yield
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
 
 
 def compiled_forward_backward(*args: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The tiny model's loss and gradients, its blocks compiled as ``args`` say (no args: eager)."""
+    """The tiny model's training loss (``ctx.loss_fn``) and gradients, compiled as ``args``
+    say (no args: eager)."""
     plugin = Compile()
     ctx = model_context({"compile": plugin}, *(ENABLE if args else ()), *args)
     if args:
         plugin.compile_model(ctx)
         assert plugin.compiled_blocks == 2
-    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
-    loss = ctx.model(tokens).float().logsumexp(-1).mean()
+    tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    loss = ctx.loss_fn(ctx.model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
     return loss.detach(), [p.grad for p in ctx.model.parameters()]
 
 
-def test_compiled_blocks_give_the_eager_loss_and_gradients():
+def test_compiled_blocks_and_loss_path_give_the_eager_loss_and_gradients():
     eager_loss, eager_grads = compiled_forward_backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
     loss, grads = compiled_forward_backward("--compile.backend", "aot_eager")
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    # The blocks' graph (they share it: their parameters are its inputs), the final norm's and
+    # the loss's: the whole loss path was compiled.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
     torch.testing.assert_close(loss, eager_loss, rtol=1e-6, atol=0)
     for grad, eager in zip(grads, eager_grads, strict=True):
         torch.testing.assert_close(grad, eager, rtol=1e-5, atol=1e-7)
@@ -75,7 +82,7 @@ def test_a_backend_that_fails_at_first_use_is_one_line():
         compiled_forward_backward("--compile.backend", "plugtrain_failing")
     message = str(error.value)
     assert "\n" not in message
-    assert message.startswith("compile.backend = 'plugtrain_failing' failed to compile a block: ")
+    assert message.startswith("compile.backend = 'plugtrain_failing' failed to compile the model: ")
     assert message.endswith(
         "; set compile.backend = 'aot_eager' or 'eager', or remove 'compile' from plugins.enabled"
     )

@@ -1,10 +1,13 @@
-"""plugtrain plugin: ``torch.compile`` each transformer block's forward, before FSDP2.
+"""plugtrain plugin: ``torch.compile`` each transformer block's forward and the loss path.
 
 It compiles in the ``compile_model`` hook, after every wrapper (activation checkpointing) and
 before FSDP2 shards the blocks, so each compiled region is a whole block, wrappers included,
 and FSDP2's all-gather and reshard hooks, which run around the block's forward, stay outside
 it. The forward is replaced in place: parameter names and checkpoints are those of the run
-without it.
+without it. The loss path is compiled too: the final norm's forward and the trainer's loss
+function (``ctx.loss_fn``, the fp32 cross-entropy, whose log-softmax and its backward are the
+largest elementwise work of a step); the output projection between them is one matmul, which
+compiling would not change.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def cpp_compiler() -> str:
 
 
 class Compile:
-    """Compiles each block's forward in ``compile_model``."""
+    """Compiles each block's forward, the final norm's and the loss in ``compile_model``."""
 
     def __init__(self) -> None:
         self.compiled_blocks = 0
@@ -89,8 +92,11 @@ class Compile:
         }
         if config.mode != "default":
             options["mode"] = config.mode
+        compiled = functools.partial(_compiled, name=name, options=options)
         for block in ctx.blocks:
-            wrap_forward(block, functools.partial(_compiled, name=name, options=options))
+            wrap_forward(block, compiled)
+        wrap_forward(ctx.norm, compiled)
+        ctx.loss_fn = compiled(ctx.loss_fn)
         self.compiled_blocks = len(ctx.blocks)
 
 
@@ -108,7 +114,7 @@ def _compiled(
         except torch._dynamo.exc.BackendCompilerFailed as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(
-                f"{name}.backend = '{options['backend']}' failed to compile a block: "
+                f"{name}.backend = '{options['backend']}' failed to compile the model: "
                 f"{first_line}; set {name}.backend = 'aot_eager' or 'eager', or remove "
                 f"'{name}' from plugins.enabled"
             ) from e
