@@ -2,9 +2,9 @@
 
 The bench saves a random-weight ``LlamaForCausalLM`` (``plugtrain.testing.save_random_llama``)
 in bf16, of the ~300M-parameter shape of ``bench/export.py`` (``bench300M``: dim 1024, 24
-layers, 16 heads, 8 KV heads, vocab 2048), or the tiny flavor's with ``--quick``. Then, on 1
-and on 2 processes (gloo, started by torchrun), fresh processes build the run's model as the
-trainer does (meta device, FSDP2 on 2 processes, no ``init_weights``) and:
+layers, 16 heads, 8 KV heads), or the tiny flavor's with ``--quick``. Then, on 1 and on 2
+processes (on 2 only with ``--quick``; gloo, started by torchrun), fresh processes build the
+run's model as the trainer does (meta device, FSDP2 on 2 processes, no ``init_weights``) and:
 
 * ``none``: load nothing (the baseline: imports and the model's own memory, written once so
   that it is resident);
@@ -45,7 +45,7 @@ BENCH_SHAPE = dataclasses.replace(
 )
 """bench/export.py's ~300M-parameter shape (vocab from the sample's tokenizer)."""
 
-# One rank of a measurement, under torchrun: argv MODE FOLDER; prints one JSON line.
+# One rank of a measurement, under torchrun: argv MODE FOLDER OUT; writes OUT/rank<r>.json.
 WORKER = """
 import json, sys, time
 import torch
@@ -57,7 +57,7 @@ from plugtrain.checkpoint import open_initial_load
 from plugtrain.config import CheckpointConfig
 from plugtrain.model import build_model, from_hf, model_args_from_hf
 torch.set_num_threads(1)
-mode, folder = sys.argv[1:3]
+mode, folder, out = sys.argv[1:4]
 dist.init_process_group("gloo")
 world = dist.get_world_size()
 args = model_args_from_hf(json.load(open(f"{folder}/config.json")))
@@ -81,22 +81,25 @@ elif mode == "hold":
 seconds = time.perf_counter() - start
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec from the parent.
 peak = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]
-print(json.dumps({"rank": dist.get_rank(), "seconds": seconds, "peak_rss_mib": int(peak) / 1024}))
+with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
+    json.dump({"seconds": seconds, "peak_rss_mib": int(peak) / 1024}, f)
 dist.destroy_process_group()
 """
 
 
 def measure(script: Path, mode: str, folder: Path, nproc: int) -> dict[str, float]:
     """The slowest rank's seconds and the largest peak RSS of ``mode`` on ``nproc`` ranks."""
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-         "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-         str(script), mode, str(folder)],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    if done.returncode:
-        raise RuntimeError(f"{mode} on {nproc} process(es) failed:\n{done.stderr}")
-    ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    # A file per rank: lines the ranks print to one pipe can interleave.
+    with tempfile.TemporaryDirectory(prefix="ranks-") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+             "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+             str(script), mode, str(folder), out],
+            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(f"{mode} on {nproc} process(es) failed:\n{done.stderr}")
+        ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
     return {
         "seconds": max(r["seconds"] for r in ranks),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks),
@@ -116,7 +119,7 @@ def main() -> None:
         script = Path(tmp) / "worker.py"
         script.write_text(WORKER)
         parameters = shape.num_params()
-        for nproc in (1, 2):
+        for nproc in (2,) if args.quick else (1, 2):
             row = {"processes": nproc, "parameters": parameters,
                    "model_fp32_mib": parameters * 4 / 2**20,
                    "folder_bf16_mib": (folder / "model.safetensors").stat().st_size / 2**20,

@@ -217,7 +217,7 @@ def test_generate(repo, tmp_path):
 @pytest.mark.slow
 def test_initial_load(repo, tmp_path):
     results = quick_results(repo, "initial_load", tmp_path)
-    assert [r["processes"] for r in results] == [1, 2]
+    assert [r["processes"] for r in results] == [2]  # --quick: the sharded case only
     for row in results:
         assert row["parameters"] > 100_000 and row["baseline_rss_mib"] > 100
         for mode in ("initial", "hold"):
