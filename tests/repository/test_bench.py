@@ -214,16 +214,6 @@ def test_generate(repo, tmp_path):
     assert flops["uncached"] > 5 * flops["cached"]
 
 
-@pytest.mark.slow
-def test_initial_load(repo, tmp_path):
-    results = quick_results(repo, "initial_load", tmp_path)
-    assert [r["processes"] for r in results] == [2]  # --quick: the sharded case only
-    for row in results:
-        assert row["parameters"] > 100_000 and row["baseline_rss_mib"] > 100
-        for mode in ("initial", "hold"):
-            assert row[mode]["seconds"] > 0 and row[mode]["peak_rss_mib"] > 100
-
-
 @pytest.fixture
 def gpu_check(repo, tmp_path, monkeypatch):
     """``gpu_check(*args)``: run ``bench/gpu_check.py``'s main process in this one (its tests and
