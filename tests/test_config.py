@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import pkgutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,10 +12,11 @@ from typing import Literal
 
 import pytest
 
-from plugtrain import sample
+from plugtrain import config, sample
 from plugtrain.config import (
+    CORE_SECTIONS,
     SHIPPED_CONFIGS,
-    _core_sections,
+    JobConfig,
     build_config,
     coerce,
     format_help,
@@ -60,6 +64,28 @@ def test_config_names_a_shipped_config_from_any_folder(tmp_path, monkeypatch):
         "config file 'debgu' not found: pass an existing file to --config, or the name of a "
         "shipped config (debug, llama3_8b)"
     )
+
+
+def test_every_section_of_the_config_package_is_a_field_of_job_config():
+    # A new core section is a module of plugtrain/config/ and a field of JobConfig: forgetting
+    # the field would leave the section out of TOML, the command line and --help.
+    modules = [
+        importlib.import_module(f"plugtrain.config.{m.name}")
+        for m in pkgutil.iter_modules(config.__path__)
+    ]
+    sections = {
+        cls
+        for module in modules
+        for cls in vars(module).values()
+        if dataclasses.is_dataclass(cls)
+        and cls.__module__ == module.__name__
+        and cls.__name__.endswith("Config")
+    }
+    assert len(modules) >= 8
+    assert sections - {JobConfig} == set(CORE_SECTIONS.values())
+    fields = [f.name for f in dataclasses.fields(JobConfig)]
+    assert [*CORE_SECTIONS, "plugin_sections"] == fields
+    assert list(config_from([]).to_dict()) == list(CORE_SECTIONS)
 
 
 def test_the_shipped_configs_are_the_repository_configs():
@@ -238,7 +264,7 @@ def test_help_prints_each_section_docstring_under_its_heading():
     lines = format_help({"ch": ChoicesSection, "ex": ExampleSection}).splitlines()
     assert lines[lines.index("[ch]") + 1] == "  Doc of the section."
     assert lines[lines.index("[ex]") + 1].startswith("  --ex.")  # none: not the signature
-    for name, cls in _core_sections().items():
+    for name, cls in CORE_SECTIONS.items():
         doc = section_doc(cls)
         assert doc and "\n" not in doc, f"{name} needs a one-line class docstring"
         assert lines[lines.index(f"[{name}]") + 1] == f"  {doc}"

@@ -1,0 +1,72 @@
+"""The [checkpoint] section: saving checkpoints, resuming from them, and the initial load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from plugtrain.errors import check_field
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving checkpoints and resuming from them."""
+
+    enable: bool = False
+    """Save checkpoints to ``<job.dump_folder>/checkpoints/step-<N>/`` and resume from them: a
+    run started again with the same dump folder continues where the last complete one left off."""
+    interval: int = 500
+    """Save every this many steps; a run also saves at its last step and when it stops on
+    SIGTERM or SIGINT."""
+    keep_latest_k: int = 3
+    """Keep the newest this many complete checkpoints, deleting older ones after each save; 0
+    keeps every one."""
+    load_step: int = -1
+    """Checkpoint to resume from: -1 the latest complete one (none: train from scratch), N the
+    one of step N (an error if it does not exist), 0 none (train from scratch). N or 0 in a
+    folder holding later complete checkpoints is an error, unless ``discard_later`` is set."""
+    discard_later: bool = False
+    """Delete, at start-up, the complete checkpoints after the one ``load_step`` picks (with
+    ``load_step`` 0: all of them), written by an earlier run; without it such a start is
+    refused, since this run would overwrite them."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """``async``: copy the state to CPU memory, then write it in a background thread while
+    training goes on (``dcp.async_save``); ``disabled``: training waits for each save."""
+    initial_load_path: str = ""
+    """Start a new run from these weights instead of random ones: a Hugging Face Llama folder
+    (``config.json`` and ``model.safetensors``, sharded or not; its ``tokenizer.json`` is used
+    unless ``model.tokenizer_path`` is set) or a plugtrain ``step-N`` checkpoint folder. Ignored
+    when the dump folder holds checkpoints: the run then resumes from them. ``model.flavor``
+    must have the loaded model's shape."""
+    initial_load_model_only: bool = True
+    """With ``initial_load_path`` a plugtrain checkpoint: false takes AdamW's state (moments and
+    its step count) too, e.g. to branch a decay run from a stable-phase checkpoint. The step,
+    LR schedule and data position always start afresh with this run's settings."""
+
+    def __post_init__(self) -> None:
+        check_field(self.interval >= 1, "interval", f"must be >= 1, got {self.interval}")
+        check_field(
+            self.keep_latest_k >= 0,
+            "keep_latest_k",
+            f"must be >= 0 (0 keeps all), got {self.keep_latest_k}",
+        )
+        check_field(
+            self.load_step >= -1,
+            "load_step",
+            f"must be -1 (latest), 0 (none) or a step, got {self.load_step}",
+        )
+        check_field(
+            self.enable or self.load_step == -1,
+            "load_step",
+            "needs checkpoint.enable = true: add --checkpoint.enable true",
+        )
+        check_field(
+            self.enable or not self.discard_later,
+            "discard_later",
+            "needs checkpoint.enable = true: add --checkpoint.enable true",
+        )
+        check_field(
+            self.initial_load_model_only or bool(self.initial_load_path),
+            "initial_load_model_only",
+            "false needs checkpoint.initial_load_path: set it to a step-N folder",
+        )

@@ -1,0 +1,140 @@
+"""``JobConfig``, the whole config (its fields are the core's sections), and what a resume keeps.
+
+The two small sections that configure the job itself, [job] and [plugins], live here too; every
+other core section has a module of its own in this package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plugtrain.config.checkpoint import CheckpointConfig
+from plugtrain.config.data import DataConfig, ValidationConfig
+from plugtrain.config.metrics import MetricsConfig
+from plugtrain.config.model import ModelConfig
+from plugtrain.config.parallelism import ParallelismConfig
+from plugtrain.config.training import LRSchedulerConfig, OptimizerConfig, TrainingConfig
+from plugtrain.errors import ConfigError
+
+
+@dataclass
+class JobInfoConfig:
+    """Where the run writes its records, and how it is described."""
+
+    dump_folder: str = "outputs/run"
+    """Folder the run writes its metrics, resolved config and checkpoints to."""
+    description: str = "plugtrain run"
+    """Free text, recorded with the run."""
+
+
+@dataclass
+class PluginsConfig:
+    """Which installed plugins the run loads."""
+
+    enabled: list[str] = field(default_factory=list)
+    """Names of the installed plugins to load, e.g. ``["grad_clip"]``; others are never imported."""
+
+
+@dataclass
+class JobConfig:
+    """The whole config: the core's sections, plus one section per enabled plugin."""
+
+    # The core's sections, in order: a new one is a module of this package and a field here.
+    job: JobInfoConfig = field(default_factory=JobInfoConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plugins: PluginsConfig = field(default_factory=PluginsConfig)
+    plugin_sections: dict[str, Any] = field(default_factory=dict)
+    """Each enabled plugin's validated config dataclass, by plugin name."""
+
+    def __post_init__(self) -> None:
+        # Unset, these are the initial load's own (a Hugging Face folder's), if it has them.
+        initial = self.checkpoint.initial_load_path
+        if not self.model.tokenizer_path:
+            folder_tokenizer = Path(initial, "tokenizer.json")
+            self.model.tokenizer_path = (
+                str(folder_tokenizer)
+                if initial and folder_tokenizer.is_file()
+                else "sample:tokenizer.json"
+            )
+        if self.model.flavor == "hf" and not self.model.hf_config:
+            if not (initial and Path(initial, "config.json").is_file()):
+                raise ConfigError(
+                    "config key 'model.hf_config' is empty: with flavor 'hf' name a config.json"
+                    " (or set checkpoint.initial_load_path to a Hugging Face folder)"
+                )
+            self.model.hf_config = initial
+        lr, steps = self.lr_scheduler, self.training.steps
+        if lr.decay_type == "wsd" and lr.warmup_steps + lr.decay_steps > steps:
+            raise ConfigError(
+                f"config keys 'lr_scheduler.warmup_steps' ({lr.warmup_steps}) + "
+                f"'lr_scheduler.decay_steps' ({lr.decay_steps}) exceed 'training.steps' "
+                f"({steps}): lower them or raise training.steps"
+            )
+
+    def plugin(self, name: str) -> Any:
+        """The config section of plugin ``name``."""
+        if name not in self.plugin_sections:
+            raise KeyError(f"plugin '{name}' has no config section in this run")
+        return self.plugin_sections[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every section as plain data, plugin sections included (for the run's records)."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in CORE_SECTIONS}
+        out.update({k: dataclasses.asdict(v) for k, v in self.plugin_sections.items()})
+        return out
+
+
+def _core_sections() -> typing.Mapping[str, type]:
+    hints = typing.get_type_hints(JobConfig)
+    fields = dataclasses.fields(JobConfig)
+    return types.MappingProxyType(
+        {f.name: hints[f.name] for f in fields if f.name != "plugin_sections"}
+    )
+
+
+CORE_SECTIONS = _core_sections()
+"""The core's config dataclasses by section name: every field of :class:`JobConfig` but
+``plugin_sections``, in declaration order (the order of ``--help`` and the run's records)."""
+
+
+FIXED_ON_RESUME: dict[str, tuple[str, ...] | None] = {
+    "model": None,
+    "training": (
+        "batch_size",
+        "seq_len",
+        "grad_accum_steps",
+        "seed",
+        "mixed_precision_param",
+        "mixed_precision_reduce",
+    ),
+    "optimizer": None,
+    "lr_scheduler": None,
+    "data": ("text_field", "shuffle"),
+}
+"""The settings a resumed run keeps, by section (None: every key): they define the run's
+trajectory, so the run a resume continues must be the one they started. Every other setting
+may change on resume (README.md, "Checkpoints")."""
+
+
+def fixed_on_resume(values: typing.Mapping[str, typing.Mapping[str, Any]]) -> dict[str, Any]:
+    """The settings of ``values`` (:meth:`JobConfig.to_dict`, or its JSON) that a resumed run
+    keeps, by dotted key (``optimizer.lr``), in section order."""
+    return {
+        f"{section}.{key}": value
+        for section, keys in FIXED_ON_RESUME.items()
+        for key, value in values.get(section, {}).items()
+        if keys is None or key in keys
+    }

@@ -1,0 +1,36 @@
+"""The [metrics] section: what the run logs and where."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plugtrain.errors import check_field, require_extra
+
+
+@dataclass
+class MetricsConfig:
+    """What the run logs and where: console, metrics.jsonl, TensorBoard, W&B."""
+
+    log_freq: int = 10
+    """Log a metrics line every this many steps (and on the first and last step)."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard event files to ``<dump_folder>/tensorboard`` (extra: tensorboard)."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (extra: wandb); ``WANDB_MODE=offline`` needs no network."""
+    wandb_project: str = "plugtrain"
+    """The W&B project of the run (the run is named after the dump folder)."""
+    trace_hooks: bool = False
+    """Trace every hook call (plugins, order, time) to ``<dump_folder>/hook_trace.rank<N>.jsonl``
+    and summarise per-plugin time at the end; ``PLUGTRAIN_TRACE_HOOKS=1`` or ``0`` overrides."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s per device for MFU; 0 detects it (H100, H200, A100; no MFU on CPU)."""
+    log_all_ranks: bool = False
+    """Log INFO from every rank, prefixed with its rank (by default only rank 0 does)."""
+
+    def __post_init__(self) -> None:
+        check_field(self.log_freq >= 1, "log_freq", f"must be >= 1, got {self.log_freq}")
+        check_field(self.peak_tflops >= 0, "peak_tflops", f"must be >= 0, got {self.peak_tflops}")
+        if self.enable_tensorboard:
+            require_extra("tensorboard", "tensorboard", "metrics.enable_tensorboard")
+        if self.enable_wandb:
+            require_extra("wandb", "wandb", "metrics.enable_wandb")

@@ -1,0 +1,120 @@
+"""The [model] section: the shape (a flavor, or a Hugging Face config.json) and the tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from plugtrain.errors import ConfigError, FieldError, check_field, did_you_mean
+from plugtrain.model import FLAVORS, ModelArgs, RopeScaling, run_model_args
+
+
+@dataclass
+class ModelConfig:
+    """The model's shape and the tokenizer that sets its vocabulary."""
+
+    flavor: str = field(default="debug", metadata={"choices": (*FLAVORS, "hf")})
+    """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.args.FLAVORS``), or ``hf``:
+    the shape a Hugging Face ``config.json`` gives (``model.hf_config``)."""
+    hf_config: str = ""
+    """With flavor ``hf``: a ``LlamaForCausalLM`` config.json, or the folder holding it. Its
+    sizes, ``intermediate_size``, RoPE (theta, ``llama3`` scaling), tied embeddings, positions
+    and vocabulary make the model; the tokenizer's vocabulary must fit in its ``vocab_size``.
+    A field the model cannot express (biases, sliding window, another model or RoPE type) is
+    refused, named."""
+    tokenizer_path: str = ""
+    """A ``tokenizers`` ``tokenizer.json``; its vocabulary size sets the model's (with flavor
+    ``hf``, config.json's does). Unset (""): the ``tokenizer.json`` of the Hugging Face folder
+    ``checkpoint.initial_load_path`` names, if it has one, else ``sample:tokenizer.json``. Here
+    and in the data paths, ``sample:NAME`` names a file of the Shakespeare sample shipped with
+    plugtrain; any other path is relative to the current folder."""
+    tie_embeddings: bool = False
+    """The output projection is the token embedding's matrix (Llama 3.2 1B/3B, SmolLM): one
+    ``vocab x dim`` tensor fewer. Not with flavor ``hf`` (config.json says)."""
+    ffn_dim: int | None = None
+    """The SwiGLU hidden size exactly (Hugging Face's ``intermediate_size``); unset, the flavor
+    derives it from its ``multiple_of`` and ``ffn_dim_multiplier``. Not with flavor ``hf``."""
+    rope_scaling: Literal["none", "llama3"] = "none"
+    """``llama3``: Llama 3.1's RoPE frequency scaling, set by the four ``rope_*`` keys below
+    (their defaults are Llama 3.1's). Not with flavor ``hf``."""
+    rope_scaling_factor: float = 8.0
+    """llama3 scaling: the low frequencies are divided by this."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above ``rope_original_max_seq_len / this`` are scaled."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below ``rope_original_max_seq_len / this`` are kept."""
+    rope_original_max_seq_len: int = 8192
+    """llama3 scaling: the context length of the unscaled model."""
+
+    def __post_init__(self) -> None:
+        choices = (*FLAVORS, "hf")
+        if self.flavor not in choices:
+            raise ConfigError(
+                f"config key 'model.flavor' is '{self.flavor}'{did_you_mean(self.flavor, choices)};"
+                f" choose one of {', '.join(choices)}"
+            )
+        if self.flavor == "hf":
+            for key, default in _SHAPE_OPTIONS.items():
+                check_field(
+                    getattr(self, key) == default,
+                    key,
+                    f"is {getattr(self, key)!r}, but with flavor 'hf' config.json sets the "
+                    f"shape: leave it at {default!r}",
+                )
+        else:
+            check_field(
+                not self.hf_config,
+                "hf_config",
+                f"is set, but flavor is '{self.flavor}': set model.flavor = \"hf\" to use it",
+            )
+        ffn_dim = self.ffn_dim
+        check_field(ffn_dim is None or ffn_dim >= 1, "ffn_dim", f"must be >= 1, got {ffn_dim}")
+        try:
+            self.rope_scaling_args()
+        except ValueError as e:
+            raise FieldError("rope_scaling", f"is unusable: {e}") from None
+
+    def rope_scaling_args(self) -> RopeScaling | None:
+        """The RoPE scaling the ``rope_*`` keys ask for, or None."""
+        if self.rope_scaling == "none":
+            return None
+        return RopeScaling(
+            factor=self.rope_scaling_factor,
+            low_freq_factor=self.rope_low_freq_factor,
+            high_freq_factor=self.rope_high_freq_factor,
+            original_max_seq_len=self.rope_original_max_seq_len,
+        )
+
+    def model_args(self, vocab_size: int | None, seq_len: int) -> ModelArgs:
+        """The shape a run of this config trains on sequences of ``seq_len`` tokens, with a
+        tokenizer of ``vocab_size`` tokens (None: the flavor's or config.json's vocabulary).
+
+        With flavor ``hf`` the embedding has config.json's rows; a tokenizer with more tokens is
+        refused in one line. The RoPE table always reaches ``seq_len``.
+        """
+        if self.flavor == "hf":
+            # Here, not at the top: the rest of the config, and --help, need no torch.
+            from plugtrain.model import model_args_from_hf, read_hf_config
+
+            args = model_args_from_hf(read_hf_config(self.hf_config))
+            if vocab_size is not None and vocab_size > args.vocab_size:
+                raise ConfigError(
+                    f"the tokenizer has {vocab_size} tokens, more than the {args.vocab_size} "
+                    f"rows of the embedding model.hf_config '{self.hf_config}' gives: use the "
+                    "tokenizer of that model (model.tokenizer_path)"
+                )
+            return dataclasses.replace(args, max_seq_len=max(args.max_seq_len, seq_len))
+        if vocab_size is None:
+            vocab_size = FLAVORS[self.flavor].vocab_size
+        args = run_model_args(self.flavor, vocab_size, seq_len)
+        return dataclasses.replace(
+            args,
+            tie_embeddings=self.tie_embeddings,
+            ffn_dim=self.ffn_dim if self.ffn_dim is not None else args.ffn_dim,
+            rope_scaling=self.rope_scaling_args(),
+        )
+
+
+_SHAPE_OPTIONS = {"tie_embeddings": False, "ffn_dim": None, "rope_scaling": "none"}
+"""The [model] keys that change a flavor's shape, and their defaults (unset with flavor hf)."""

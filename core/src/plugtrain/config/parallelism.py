@@ -1,0 +1,32 @@
+"""The [parallelism] section: how the ranks shard the model, FSDP over all of them or HSDP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plugtrain.errors import check_field
+
+
+@dataclass
+class ParallelismConfig:
+    """How the ranks shard the model: FSDP over all of them, or hybrid sharding (HSDP)."""
+
+    # Every rank trains on its own slice of each batch either way: the degrees only decide
+    # where each parameter's shards live. Their product is the world size.
+    dp_replicate: int = 1
+    """Copies of the sharded model (HSDP's replicas, one per node typically): gradients are
+    reduce-scattered within a copy, then all-reduced across copies once per optimizer step.
+    1: plain FSDP over all ranks."""
+    dp_shard: int = -1
+    """Ranks each copy of the model is sharded over (the GPUs of one node typically); -1: the
+    world size divided by ``dp_replicate``."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            self.dp_replicate >= 1, "dp_replicate", f"must be >= 1, got {self.dp_replicate}"
+        )
+        check_field(
+            self.dp_shard == -1 or self.dp_shard >= 1,
+            "dp_shard",
+            f"must be >= 1, or -1 for the rest of the ranks, got {self.dp_shard}",
+        )
