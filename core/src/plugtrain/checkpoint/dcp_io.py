@@ -1,7 +1,8 @@
 """Reading DCP checkpoints safely, and the tensor trees that checkpoints are made of.
 
 DCP writes ``.metadata`` with ``pickle``, and its ``FileSystemReader`` would unpickle anything a
-crafted file names; :class:`SafeFileSystemReader` admits DCP's own metadata classes only, and
+crafted file names; :class:`SafeMetadata` (on any file system reader of DCP, local or fsspec's:
+:class:`SafeFileSystemReader` is the local one) admits DCP's own metadata classes only, and
 :class:`TensorOnlyLoadPlanner` refuses non-tensor entries. Checkpoints hold tensors only:
 :func:`to_tensors` turns numbers into 0-d tensors and :func:`from_tensors` turns them back.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, StorageReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -52,18 +53,28 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load '{module}.{name}' from .metadata")
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """A DCP ``FileSystemReader`` whose ``.metadata`` unpickling admits DCP's types only."""
+class SafeMetadata:
+    """Mixin for a DCP ``FileSystemReader`` (or a subclass, such as ``FsspecReader``) whose
+    ``.metadata`` unpickling admits DCP's types only; it reads through the reader's ``fs``,
+    so the data may be on any medium that reader knows."""
+
+    fs: Any
+    path: Any
+    load_id: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        with path.open("rb") as f:
+        with self.fs.create_stream(self.fs.concat_path(self.path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f".metadata holds a {type(metadata).__name__}")
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class SafeFileSystemReader(SafeMetadata, FileSystemReader):
+    """A DCP ``FileSystemReader`` (a local folder) whose ``.metadata`` unpickling admits DCP's
+    types only."""
 
 
 class TensorOnlyLoadPlanner(DefaultLoadPlanner):
@@ -77,20 +88,24 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
         )
 
 
-def read_metadata(path: Path) -> Metadata:
-    """The DCP metadata of checkpoint folder ``path``, or a one-line :class:`CheckpointError`."""
+def damaged(path: str | os.PathLike[str], why: str) -> CheckpointError:
+    """The one-line error for checkpoint ``path`` that cannot be read (``why``), and the way out."""
+    return CheckpointError(
+        f"checkpoint {path} is damaged: {why}; delete it to resume from the one before, or pick "
+        "one with --checkpoint.load_step"
+    )
+
+
+def read_metadata(path: str | os.PathLike[str], reader: StorageReader | None = None) -> Metadata:
+    """The DCP metadata of checkpoint ``path``, read by ``reader`` (a safe one, see
+    :class:`SafeMetadata`; by default the :class:`SafeFileSystemReader` of folder ``path``), or
+    a one-line :class:`CheckpointError` naming ``path``."""
     try:
-        return SafeFileSystemReader(path).read_metadata()
+        return (reader or SafeFileSystemReader(path)).read_metadata()
     except FileNotFoundError as e:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: it has no .metadata; delete it to resume from the "
-            "one before, or pick one with --checkpoint.load_step"
-        ) from e
+        raise damaged(path, "it has no .metadata") from e
     except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged: cannot read its .metadata ({one_line(e)}); delete "
-            "it to resume from the one before, or pick one with --checkpoint.load_step"
-        ) from e
+        raise damaged(path, f"cannot read its .metadata ({one_line(e)})") from e
 
 
 def read_checkpoint(path: str | os.PathLike[str], prefix: str = "") -> dict[str, torch.Tensor]:
