@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from plugtrain.checkpoint.dcp_io import flat_keys, read_checkpoint, to_tensors
 from plugtrain.checkpoint.faults import FAULT_ENV
-from plugtrain.checkpoint.manager import complete_checkpoints
+from plugtrain.checkpoint.layout import complete_checkpoints
 from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.observability.metrics import truncate_metrics
 from plugtrain.plugin import SetupContext, StepContext, full_tensor, hookimpl

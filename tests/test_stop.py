@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from plugtrain.checkpoint.manager import complete_checkpoints
+from plugtrain.checkpoint.layout import complete_checkpoints
 from plugtrain.testing import make_trainer, read_metrics, run_script, tiny_args
 
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "10000")

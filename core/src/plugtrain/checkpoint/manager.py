@@ -1,15 +1,12 @@
 """Checkpoints: save a run, resume it exactly, survive crashes and preemption.
 
-A checkpoint is a ``torch.distributed.checkpoint`` (DCP) folder; each rank writes its own shard
-of the model and optimizer state. The layout under ``<job.dump_folder>/checkpoints/``::
-
-    step-200/            complete checkpoints, the only ones a run ever loads
-    step-300.partial/    being written (or left by a crash): never loaded, removed later
-    step-100.deleting/   being pruned: never loaded
-
-A save writes ``step-<N>.partial/``, waits until every rank has finished writing (a barrier),
-then rank 0 renames it to ``step-<N>/``. A rename is atomic, so a crash at any moment leaves
-either the complete checkpoint or none, and never touches the previous one.
+Checkpoints are ``torch.distributed.checkpoint`` (DCP) ones, one per step; each rank writes its
+own shard of the model and optimizer state. The manager decides when to save, what
+state to gather and what to resume from; everything that touches the medium goes through a
+:class:`~plugtrain.checkpoint.storage.CheckpointStorage` (today :class:`LocalStorage`:
+``<job.dump_folder>/checkpoints/step-<N>/``). A save stages the checkpoint, waits until every
+rank has finished writing its shard (a barrier), then rank 0 commits it, atomically: a crash at
+any moment leaves either the complete checkpoint or none, and never touches the previous one.
 
 What a checkpoint holds (the keys of the DCP state dict): ``model`` and ``optimizer`` (from
 ``get_state_dict``, sharded DTensors), ``lr_scheduler``, ``data`` (the loader's position),
@@ -19,8 +16,8 @@ CUDA, Python and NumPy generator states) and ``plugins.<name>`` (each stateful p
 ``state_dict`` hook). Numbers are stored as 0-d tensors, so a checkpoint holds tensors only:
 loading never unpickles an object (tensors go through ``torch.load(weights_only=True)``, DCP's
 ``.metadata`` file through an unpickler that admits DCP's own metadata classes only). Beside
-them, ``config.json`` holds the resolved config of the run that saved it (written into the
-``.partial`` folder, so it is committed with it): a resume that changes a setting the run must
+them, ``config.json`` holds the resolved config of the run that saved it (staged first, so it
+is committed with it): a resume that changes a setting the run must
 keep (``config.FIXED_ON_RESUME``) is refused, naming the key.
 
 Resuming reshards: the model and optimizer may be loaded on another number of ranks, and the
@@ -36,62 +33,47 @@ replaces a complete checkpoint.
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
+from plugtrain.checkpoint.checks import (
+    check_settings,
+    check_state,
+    choose,
+    exists_error,
+    latest_at_most,
+    save_failed,
+)
 from plugtrain.checkpoint.dcp_io import (
-    SafeFileSystemReader,
     TensorOnlyLoadPlanner,
+    damaged,
     flat_keys,
     from_tensors,
     read_metadata,
     to_tensors,
 )
 from plugtrain.checkpoint.faults import Fault
-from plugtrain.checkpoint.layout import CONFIG, checkpoint_folder, complete_checkpoints
+from plugtrain.checkpoint.layout import CONFIG, checkpoint_folder
 from plugtrain.checkpoint.rng import rng_state, set_rng_state
-from plugtrain.config import CheckpointConfig, fixed_on_resume
+from plugtrain.checkpoint.storage import CheckpointStorage, LocalStorage
+from plugtrain.config import CheckpointConfig
 from plugtrain.distributed import World
 from plugtrain.errors import CheckpointError, one_line
 from plugtrain.host import PluginHost
 
 logger = logging.getLogger("plugtrain")
-
-_PARTIAL, _DELETING = ".partial", ".deleting"
-
-
-# --------------------------------------------------------------------------- the folder
-
-
-def _delete(path: Path) -> None:
-    """Remove a checkpoint folder; renamed first, so a half-deleted one is never loaded."""
-    doomed = path.with_name(path.name + _DELETING)
-    if doomed.exists():  # left by a crash while deleting it before
-        shutil.rmtree(doomed)
-    path.rename(doomed)
-    shutil.rmtree(doomed)
-
-
-def _folder_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
 @contextlib.contextmanager
@@ -103,37 +85,6 @@ def _interruptible() -> Iterator[None]:
         if any(isinstance(exc, KeyboardInterrupt) for exc, _ in e.failures.values()):
             raise KeyboardInterrupt from None
         raise
-
-
-_NEARLY_FULL = 2**20
-"""Free bytes below which a disk counts as full, for a write error that gives no cause."""
-
-
-def _free_bytes(path: Path) -> int | None:
-    """Free bytes on the file system of ``path`` or its nearest existing parent."""
-    existing = next((p for p in (path, *path.parents) if p.exists()), path)
-    try:
-        return shutil.disk_usage(existing).free
-    except OSError:
-        return None
-
-
-def _write_failure_cause(error: BaseException | None, free: int | None) -> str:
-    """Why writing a checkpoint failed, in a few words (``No space left on device``).
-
-    An OSError says it with its strerror. torch's zip writer reports a full disk as a
-    RuntimeError ("unexpected pos", "file write failed") without an errno: a disk (nearly)
-    full once it failed is taken for the cause then.
-    """
-    failures = getattr(error, "failures", None)
-    cause = next(iter(failures.values()))[0] if failures else error  # DCP: rank -> (error, tb)
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror
-        cause = cause.__cause__ or cause.__context__
-    if free is not None and free < _NEARLY_FULL:
-        return os.strerror(errno.ENOSPC)
-    return one_line(error) if error is not None else "rank 0 could not create its folder"
 
 
 # --------------------------------------------------------------------------- the manager
@@ -171,15 +122,15 @@ class CheckpointManager:
         self.run_config = run_config
         self.resumed_from: dict[str, Any] | None = None
         """The checkpoint :meth:`load` resumed from, ``{"path", "step"}``; None for a new run."""
-        self.folder = checkpoint_folder(dump_folder)
+        self.storage: CheckpointStorage = LocalStorage(checkpoint_folder(dump_folder))
         self.world = world
         self.total_steps = total_steps
         self.model, self.optimizer = model, optimizer
         self.states = dict(states)
         self.host = host
         self._pending: Future[None] | None = None
-        self._pending_save: tuple[Path, int] | None = None
-        """The folder and step of the save in flight, for ``checkpoint_saved``."""
+        self._pending_step: int | None = None
+        """The step of the save in flight, for ``checkpoint_saved``."""
         self._executor: ThreadPoolExecutor | None = None
         self._control_group: dist.ProcessGroup | None = None
         self._async_group: dist.ProcessGroup | None = None
@@ -211,39 +162,34 @@ class CheckpointManager:
     def save(self, step: int) -> None:
         """Write a checkpoint of the run as it is after ``step``.
 
-        A save that fails (a full disk) removes its partial folder and raises a one-line
+        A save that fails (a full disk) removes what it staged and raises a one-line
         :class:`CheckpointError` naming the cause; the complete checkpoints stay as they are.
         """
         self.wait()
-        final = self.folder / f"step-{step}"
-        if final.exists():
-            raise self._exists_error(final)
-        partial = final.with_name(final.name + _PARTIAL)
+        if self.storage.exists(step):
+            raise exists_error(self.storage.where(step))
         start = time.perf_counter()
         failure: OSError | None = None
         if self.world.is_main:
             try:
-                if partial.exists():  # left by a crash while saving this very step
-                    shutil.rmtree(partial)
-                partial.mkdir(parents=True)
-                (partial / CONFIG).write_text(json.dumps(self.run_config, indent=2) + "\n")
+                self.storage.stage(step, self.run_config)
             except OSError as e:
                 failure = e
         # Asked of every rank rather than a barrier, so that all stop when rank 0 cannot start.
         if self._any_rank(failure is not None):
-            raise self._save_failed(final, partial, failure) from failure
+            raise self._save_failed(step, failure) from failure
         state = self._storable(
             self._state(with_rng=True, plugins=None, optimizer_state=bool(self.optimizer.state))
         )
-        writer = FileSystemWriter(partial)
+        writer = self.storage.writer(step)
         if self._executor is None:
             try:
                 with _interruptible():
                     dcp.save(state, storage_writer=writer)
             except (Exception, dcp.CheckpointException) as e:
-                raise self._save_failed(final, partial, e) from e
-            self._commit(step, partial, final, start, self._control_group)
-            self.host.hook.checkpoint_saved(folder=final, step=step)
+                raise self._save_failed(step, e) from e
+            self._commit(step, start, self._control_group)
+            self.host.hook.checkpoint_saved(folder=self.storage.where(step), step=step)
             return
         try:
             with _interruptible():
@@ -251,51 +197,40 @@ class CheckpointManager:
                     state, storage_writer=writer, process_group=self._async_group
                 )
         except (Exception, dcp.CheckpointException) as e:
-            raise self._save_failed(final, partial, e) from e
+            raise self._save_failed(step, e) from e
         logger.info(
             "checkpoint step-%d copied in %.2f s, writing it in the background",
             step,
             time.perf_counter() - start,
         )
-        self._pending = self._executor.submit(
-            self._commit_when_written, upload, step, partial, final, start
-        )
-        self._pending_save = (final, step)
+        self._pending = self._executor.submit(self._commit_when_written, upload, step, start)
+        self._pending_step = step
 
-    def _commit_when_written(
-        self, upload: Future, step: int, partial: Path, final: Path, start: float
-    ) -> None:
+    def _commit_when_written(self, upload: Future, step: int, start: float) -> None:
         try:
             upload.result()
         except (Exception, dcp.CheckpointException) as e:
-            raise self._save_failed(final, partial, e) from e
-        self._commit(step, partial, final, start, self._async_group)
+            raise self._save_failed(step, e) from e
+        self._commit(step, start, self._async_group)
 
-    def _save_failed(
-        self, final: Path, partial: Path, error: BaseException | None
-    ) -> CheckpointError:
-        """The one-line error for a failed save, once rank 0 has removed what it wrote."""
-        free = _free_bytes(self.folder)
-        cause = _write_failure_cause(error, free)
+    def _save_failed(self, step: int, error: BaseException | None) -> CheckpointError:
+        """The one-line error for a failed save, once rank 0 has removed what it staged."""
+        free = self.storage.free_bytes()
         if self.world.is_main:
-            shutil.rmtree(partial, ignore_errors=True)
-        space = "" if free is None else f" ({free / 2**20:.1f} MiB free in {self.folder})"
-        return CheckpointError(
-            f"cannot save checkpoint {final}: {cause}{space}; the previous checkpoints are "
-            "intact: free space or set job.dump_folder elsewhere"
-        )
+            self.storage.discard(step)
+        return save_failed(self.storage.where(step), self.storage.location, error, free)
 
-    def _commit(
-        self, step: int, partial: Path, final: Path, start: float, group: dist.ProcessGroup | None
-    ) -> None:
-        """Once every rank has written its shard, make the checkpoint visible (rank 0)."""
+    def _commit(self, step: int, start: float, group: dist.ProcessGroup | None) -> None:
+        """Once every rank has written its shard, make the checkpoint visible (rank 0), then
+        apply the retention (``keep_latest_k``)."""
         for fault in self._faults:
             fault.fire("before_commit", step)
         self._barrier(group)
         if self.world.is_main:
-            if final.exists():  # appeared since save() looked: another run writes here too
-                raise self._exists_error(final)
-            partial.rename(final)
+            try:
+                self.storage.commit(step)
+            except FileExistsError as e:  # appeared since save() looked
+                raise exists_error(self.storage.where(step)) from e
         # So that on every rank a returned save is a visible one.
         self._barrier(group)
         if not self.world.is_main:
@@ -304,30 +239,10 @@ class CheckpointManager:
             "checkpoint step-%d saved in %.2f s, %.1f MiB: %s",
             step,
             time.perf_counter() - start,
-            _folder_bytes(final) / 2**20,
-            final,
+            self.storage.size(step) / 2**20,
+            self.storage.where(step),
         )
-        self._prune(step)
-
-    def _exists_error(self, final: Path) -> CheckpointError:
-        # Start-up refuses later checkpoints, so this one was written by another run since.
-        return CheckpointError(
-            f"cannot save {final}: a complete checkpoint of that step already exists, written by "
-            "another run using the same job.dump_folder; give each run its own job.dump_folder"
-        )
-
-    def _prune(self, step: int) -> None:
-        """Delete what a crash left behind and all but the newest ``keep_latest_k`` checkpoints
-        up to ``step``; a later one is never deleted here (start-up refuses them)."""
-        for path in self.folder.iterdir():
-            if path.name.endswith((_PARTIAL, _DELETING)):
-                shutil.rmtree(path)
-        keep = self.config.keep_latest_k
-        steps = [s for s in complete_checkpoints(self.folder) if s <= step]
-        old = steps[:-keep] if keep else []
-        for s in old:
-            _delete(self.folder / f"step-{s}")
-        if old:
+        if old := self.storage.prune(self.config.keep_latest_k, step):
             logger.info(
                 "deleted %s (keep_latest_k %d)",
                 ", ".join(f"step-{s}" for s in old),
@@ -338,10 +253,10 @@ class CheckpointManager:
         """Block until an async save in flight is written and committed (re-raising its error),
         then fire ``checkpoint_saved`` for it: here, on the main thread of every rank."""
         pending, self._pending = self._pending, None
-        saved, self._pending_save = self._pending_save, None
-        if pending is not None and saved is not None:
+        step, self._pending_step = self._pending_step, None
+        if pending is not None and step is not None:
             pending.result()
-            self.host.hook.checkpoint_saved(folder=saved[0], step=saved[1])
+            self.host.hook.checkpoint_saved(folder=self.storage.where(step), step=step)
 
     def close(self) -> None:
         """Finish any save in flight (collective)."""
@@ -353,7 +268,7 @@ class CheckpointManager:
     def abort(self) -> None:
         """After an error: abandon a save in flight without waiting for it (its collectives
         may wait for a rank that failed); it stays ``.partial``, never loaded (idempotent)."""
-        self._pending = self._pending_save = None
+        self._pending = self._pending_step = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -421,23 +336,20 @@ class CheckpointManager:
         once the resume has succeeded."""
         if not self.config.enable:
             return
-        # Every rank lists the folder itself: DCP's file system storage already needs
-        # one folder that all ranks see.
-        available = complete_checkpoints(self.folder)
-        chosen = self._choose(available)
-        later = [s for s in available if chosen is None or s > chosen]
-        if later and not self.config.discard_later:
-            raise self._later_error(chosen, later)
+        # Every rank lists them itself: the storage shows all ranks the same.
+        chosen, later = choose(self.config, self.storage.steps(), self.storage.location)
         if chosen is not None:
-            self._load(available[chosen])
+            self._load(chosen)
         elif self.config.load_step == 0:
             logger.info("starting afresh (checkpoint.load_step 0)")
         else:
-            logger.info("no checkpoint to resume from in %s: training from step 0", self.folder)
+            logger.info(
+                "no checkpoint to resume from in %s: training from step 0", self.storage.location
+            )
         if later:
             if self.world.is_main:
                 for s in later:
-                    _delete(available[s])
+                    self.storage.delete(s)
                 logger.info(
                     "deleted %s (checkpoint.discard_later)", ", ".join(f"step-{s}" for s in later)
                 )
@@ -446,16 +358,7 @@ class CheckpointManager:
     def latest_at_most(self, at_most: int) -> int:
         """The step of the latest complete checkpoint at step ``at_most`` or earlier; a one-line
         :class:`CheckpointError` if there is none."""
-        available = complete_checkpoints(self.folder)
-        earlier = [s for s in available if s <= at_most]
-        if not earlier:
-            steps = ", ".join(map(str, available)) or "none"
-            raise CheckpointError(
-                f"cannot rewind to step {at_most} or earlier: {self.folder} has no complete "
-                f"checkpoint there (complete ones: {steps}); save more often "
-                "(checkpoint.interval) or keep more (checkpoint.keep_latest_k)"
-            )
-        return earlier[-1]
+        return latest_at_most(self.storage.steps(), at_most, self.storage.location)
 
     def rewind(self, at_most: int) -> int:
         """Go back to the latest complete checkpoint at step ``at_most`` or earlier, delete the
@@ -466,48 +369,18 @@ class CheckpointManager:
         """
         self.wait()
         chosen = self.latest_at_most(at_most)
-        self._load(self.folder / f"step-{chosen}")
+        self._load(chosen)
         if self.world.is_main:
-            for s, path in complete_checkpoints(self.folder).items():
+            for s in self.storage.steps():
                 if s > chosen:
-                    _delete(path)
+                    self.storage.delete(s)
         self._barrier(self._control_group)
         return chosen
 
-    def _choose(self, available: Mapping[int, Path]) -> int | None:
-        """The step to resume from, None to start afresh."""
-        load_step = self.config.load_step
-        if load_step == 0:
-            return None
-        if load_step > 0:
-            if load_step not in available:
-                steps = ", ".join(map(str, available)) or "none"
-                raise CheckpointError(
-                    f"checkpoint.load_step is {load_step}, but {self.folder} has no complete "
-                    f"checkpoint step-{load_step} (complete ones: {steps}): pick one of them, "
-                    "or -1 for the latest"
-                )
-            return load_step
-        return max(available) if available else None
-
-    def _later_error(self, chosen: int | None, later: list[int]) -> CheckpointError:
-        steps = ", ".join(map(str, later))
-        if chosen is None:
-            return CheckpointError(
-                f"checkpoint.load_step is 0 (start afresh), but {self.folder} holds checkpoints "
-                f"of an earlier run (steps {steps}): train in another job.dump_folder, or add "
-                "--checkpoint.discard_later true to delete them"
-            )
-        return CheckpointError(
-            f"checkpoint.load_step is {chosen}, but {self.folder} holds later checkpoints "
-            f"(steps {steps}) that this run would overwrite: resume from the latest with "
-            "--checkpoint.load_step -1, or add --checkpoint.discard_later true to delete them"
-        )
-
-    def _load(self, path: Path) -> None:
+    def _load(self, step: int) -> None:
         start = time.perf_counter()
-        metadata = read_metadata(path)
-        saved = metadata.state_dict_metadata
+        path = self.storage.where(step)
+        saved = read_metadata(path, self.storage.reader(step)).state_dict_metadata
         in_checkpoint = {key.split(".")[1] for key in saved if key.startswith("plugins.")}
         loaders = set(self.host.implementers("load_state_dict"))
         rank_rng = f"rng.rank{self.world.rank}."
@@ -518,19 +391,18 @@ class CheckpointManager:
             optimizer_state=any(key.startswith("optimizer.state.") for key in saved),
         )
         storable = self._storable(template)
-        self._check(path, saved, flat_keys(storable), template["plugins"])
-        self._check_settings(path)
+        check_state(path, saved, flat_keys(storable), template["plugins"])
+        try:
+            saved_config = self.storage.read_config(step)
+        except (OSError, ValueError) as e:
+            raise damaged(path, f"cannot read its {CONFIG} ({one_line(e)})") from e
+        check_settings(path, saved_config, self.run_config)
         try:
             dcp.load(
-                storable,
-                storage_reader=SafeFileSystemReader(path),
-                planner=TensorOnlyLoadPlanner(),
+                storable, storage_reader=self.storage.reader(step), planner=TensorOnlyLoadPlanner()
             )
         except (Exception, dcp.CheckpointException) as e:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {one_line(e)}; delete it to resume from the one "
-                "before, or pick one with --checkpoint.load_step"
-            ) from e
+            raise damaged(path, one_line(e)) from e
         state = from_tensors(template, storable)
         self._apply(state)
         for name, plugin_state in state["plugins"].items():
@@ -557,75 +429,6 @@ class CheckpointManager:
             train["tokens_seen"],
             time.perf_counter() - start,
         )
-
-    def _check(
-        self,
-        path: Path,
-        saved: Mapping[str, Any],
-        wanted: Mapping[str, torch.Tensor],
-        plugin_states: Mapping[str, Any],
-    ) -> None:
-        """Refuse, with one line, a checkpoint this run cannot continue from."""
-
-        def refuse(why: str) -> CheckpointError:
-            return CheckpointError(
-                f"checkpoint {path} was saved from another model: {why}; resume with the "
-                "model.flavor and tokenizer it was trained with, or train in another "
-                "job.dump_folder"
-            )
-
-        model_saved = {k for k in saved if k.startswith("model.")}
-        model_wanted = {k for k in wanted if k.startswith("model.")}
-        for key in sorted(model_saved & model_wanted):
-            if list(saved[key].size) != list(wanted[key].shape):
-                raise refuse(
-                    f"parameter '{key.removeprefix('model.')}' has shape "
-                    f"{list(saved[key].size)} there and {list(wanted[key].shape)} here"
-                )
-        if missing := sorted(model_wanted - model_saved):
-            raise refuse(f"it has no parameter '{missing[0].removeprefix('model.')}'")
-        if extra := sorted(model_saved - model_wanted):
-            raise refuse(f"its parameter '{extra[0].removeprefix('model.')}' is not in this model")
-        for name in plugin_states:
-            prefix = f"plugins.{name}."
-            there = {k for k in saved if k.startswith(prefix)}
-            here = {k for k in wanted if k.startswith(prefix)}
-            if there != here:
-                raise CheckpointError(
-                    f"checkpoint {path} holds state of plugin '{name}' with keys "
-                    f"{sorted(k.removeprefix(prefix) for k in there)}, but the plugin's state now "
-                    f"has {sorted(k.removeprefix(prefix) for k in here)}: use the plugin version "
-                    "that saved it, or disable the plugin"
-                )
-        for key in wanted:
-            if key not in saved:
-                raise CheckpointError(
-                    f"checkpoint {path} lacks '{key}': it was not written by this version of "
-                    "plugtrain; pick another with --checkpoint.load_step"
-                )
-            if not isinstance(saved[key], TensorStorageMetadata):
-                raise CheckpointError(
-                    f"checkpoint {path} stores '{key}' as a pickled object, which plugtrain never "
-                    "loads: use a checkpoint written by plugtrain"
-                )
-
-    def _check_settings(self, path: Path) -> None:
-        """Refuse, with one line, a resume that changes a setting the run must keep."""
-        try:
-            saved = json.loads((path / CONFIG).read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: cannot read its {CONFIG} ({one_line(e)}); delete "
-                "it to resume from the one before, or pick one with --checkpoint.load_step"
-            ) from e
-        theirs = fixed_on_resume(saved)
-        for key, value in fixed_on_resume(self.run_config).items():
-            if key in theirs and theirs[key] != value:
-                raise CheckpointError(
-                    f"{key} is {value!r} in this run but {theirs[key]!r} in checkpoint {path}, "
-                    f"and a resumed run keeps the settings it started with: drop --{key} (or set "
-                    "it back), or start a new run in another job.dump_folder"
-                )
 
     def _apply(self, state: Mapping[str, Any]) -> None:
         """Put a loaded state into the model, optimizer, the other stateful pieces and RNGs."""
