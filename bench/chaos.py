@@ -146,7 +146,7 @@ class Soak:
         self.launches += 1
         env = {
             **os.environ,
-            # README: torch 2.13's restarts need it (pytorch#135712).
+            # docs/checkpoints.md: torch 2.13's restarts need it (pytorch#135712).
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",

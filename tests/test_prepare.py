@@ -328,11 +328,12 @@ def test_cli_reports_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Captur
     assert not out.exists()
 
 
-def test_the_readmes_prepared_folders_are_ignored_by_git() -> None:
-    outputs = re.findall(r"plugtrain prepare-data .* -o (\S+)", (REPO / "README.md").read_text())
+def test_the_data_pages_prepared_folders_are_ignored_by_git() -> None:
+    data_page = (REPO / "docs" / "data.md").read_text()
+    outputs = re.findall(r"plugtrain prepare-data .* -o (\S+)", data_page)
     if not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
     assert outputs
     for out in outputs:
         ignored = subprocess.run(["git", "check-ignore", "-q", f"{out}/shard_00000.bin"], cwd=REPO)
-        assert ignored.returncode == 0, f"{out} (README.md's prepare-data output) is not ignored"
+        assert ignored.returncode == 0, f"{out} (docs/data.md's prepare-data output) is not ignored"
