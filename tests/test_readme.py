@@ -1,13 +1,18 @@
-"""README's and the user docs' figures: each one is checked against the code, the config
-defaults or a run."""
+"""README's and the user docs' figures and commands: each figure is checked against the code,
+the config defaults or a run; each shell command against the code that would run it (parsed,
+its config built, nothing run)."""
 
 from __future__ import annotations
 
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 
+import plugtrain.cli
 from plugtrain.config import CheckpointConfig, MetricsConfig, TrainingConfig, ValidationConfig
+from plugtrain.errors import ConfigError
 from plugtrain.model.transformer import FLAVORS
 from plugtrain.observability.metrics import format_line
 from plugtrain.testing import read_metrics
@@ -16,6 +21,16 @@ from plugtrain.training.trainer import Trainer
 
 NUMBER = r"\d[\d.,e+-]*"
 """A number as the console prints it: 8.1219, 1.50e-04, 5,308."""
+REPO = Path(__file__).resolve().parents[1]
+USER_PAGES = (
+    "README.md",
+    *(f"docs/{name}.md" for name in ("configuration", "data", "parallelism", "checkpoints")),
+    *(f"docs/{name}.md" for name in ("hf", "evaluation", "observability", "plugins")),
+)
+"""README and the pages its manual was split into: every shell command on them is checked here
+(README's labelled set-up, run and test commands by tests/repository/test_repository.py)."""
+LABELLED = {"setup", "run", "test"}
+"""README's ``<!-- label -->`` command blocks, which tests/repository/ checks against CI."""
 
 
 @pytest.fixture
@@ -83,3 +98,76 @@ def test_the_sample_line_is_the_default_runs_first_step(tmp_path, repo, observab
     assert {k: fields(sample)[k] for k in ("step", "loss", "lr")} == {
         k: fields(printed)[k] for k in ("step", "loss", "lr")
     }
+
+
+# -- the pages' shell commands ------------------------------------------------------------------
+
+SHELL_BLOCK = re.compile(
+    r"(?:<!-- (?P<label>[\w ]+) -->\n)?^```(?:bash|sh)\n(?P<body>.*?)^```", re.S | re.M
+)
+
+
+def shell_commands(page: str) -> list[str]:
+    """The commands of ``page``'s unlabelled shell blocks: one per line, continuations joined,
+    comment lines left out (trailing comments stay: shlex drops them)."""
+    commands = []
+    for block in SHELL_BLOCK.finditer((REPO / page).read_text()):
+        if block["label"] in LABELLED:
+            continue
+        for line in block["body"].replace("\\\n", " ").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                commands.append(" ".join(line.split()))
+    return commands
+
+
+def training_arguments(argv: list[str]) -> list[str] | None:
+    """The config arguments of a training command (``python train.py``, ``torchrun ...
+    train.py``, ``plugtrain train``), or None for another command."""
+    if argv[:2] == ["plugtrain", "train"]:
+        return argv[2:]
+    if argv[0] in ("python", "torchrun") and "train.py" in argv:
+        return argv[argv.index("train.py") + 1 :]
+    return None
+
+
+DOC_COMMANDS = [(page, command) for page in USER_PAGES for command in shell_commands(page)]
+
+
+def test_the_pages_have_the_commands_this_file_checks():
+    """A block regex that stopped matching would check nothing, and pass."""
+    assert len(DOC_COMMANDS) >= 20, DOC_COMMANDS
+    two = "torchrun --nproc_per_node=2 train.py --config configs/debug.toml"
+    assert ("docs/parallelism.md", two) in DOC_COMMANDS
+
+
+@pytest.mark.parametrize(("page", "command"), DOC_COMMANDS)
+def test_each_command_of_the_pages_is_valid(page, command, repo, monkeypatch):
+    """A training command's config builds (plugins loaded, every key and value validated), as
+    the run would build it before training; a plugtrain sub-command's arguments parse; a pip
+    install names distributions of the repository. Nothing is trained, read or written."""
+    argv = shlex.split(re.sub(r"^(\w+=\S+ )+", "", command), comments=True)  # env assignments
+    monkeypatch.chdir(repo)  # the configs' and commands' paths are relative to the repository
+    arguments = training_arguments(argv)
+    if arguments is not None:
+        assert configure(arguments) is not None, command
+    elif argv[0] == "plugtrain":
+        ran = []
+        monkeypatch.setattr(plugtrain.cli, "run_cli", lambda main: ran.append(main) or 0)
+        assert plugtrain.cli.command(argv[1:]) == 0 and ran, command
+    elif argv[:4] == ["python", "-m", "pip", "install"]:
+        folders = [arg for arg in argv[4:] if arg.startswith("./")]
+        assert folders, command
+        for folder in folders:
+            assert (repo / folder / "pyproject.toml").is_file(), f"{folder} ({command})"
+    else:
+        pytest.fail(f"{page}: no test checks {command!r}: teach this test how, or label it")
+
+
+def test_a_bad_command_on_a_page_would_be_caught(monkeypatch, repo):
+    """The check above fails on a misspelt key and a misspelt option."""
+    monkeypatch.chdir(repo)
+    with pytest.raises(ConfigError, match=r"unknown config key 'training\.stepz'"):
+        configure(["--training.stepz", "3"])
+    monkeypatch.setattr(plugtrain.cli, "run_cli", lambda main: 0)
+    with pytest.raises(SystemExit):
+        plugtrain.cli.command(["generate", "outputs/run", "--prompts", "x"])
