@@ -1,6 +1,6 @@
-"""README's and the user docs' figures and commands: each figure is checked against the code,
-the config defaults or a run; each shell command against the code that would run it (parsed,
-its config built, nothing run)."""
+"""README's and the user docs' figures, commands and links: each figure is checked against the
+code, the config defaults or a run; each shell command against the code that would run it
+(parsed, its config built, nothing run); each relative link leads to a file and heading."""
 
 from __future__ import annotations
 
@@ -171,3 +171,50 @@ def test_a_bad_command_on_a_page_would_be_caught(monkeypatch, repo):
     monkeypatch.setattr(plugtrain.cli, "run_cli", lambda main: 0)
     with pytest.raises(SystemExit):
         plugtrain.cli.command(["generate", "outputs/run", "--prompts", "x"])
+
+
+# -- links -----------------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def linking_pages() -> list[Path]:
+    """Every Markdown page of the repository a reader follows links from."""
+    pages = [*REPO.glob("*.md"), *(REPO / "docs").glob("*.md"), REPO / "core" / "README.md"]
+    return sorted([*pages, *(REPO / "plugins").glob("*/README.md")])
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives ``page``'s headings: lower case, punctuation dropped, spaces
+    as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", FENCE.sub("", page.read_text()), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def broken_links(page: Path) -> list[str]:
+    found = []
+    for target in LINK.findall(FENCE.sub("", page.read_text())):
+        if re.match(r"\w+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            found.append(f"{target} (no such file)")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            found.append(f"{target} (no such heading)")
+    return found
+
+
+@pytest.mark.parametrize("page", linking_pages(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_leads_somewhere(page):
+    assert broken_links(page) == []
+
+
+def test_a_broken_link_is_found(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## A section, `code`\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "[ok](other.md#a-section-code) [ok](#here) [gone](gone.md) [bad](other.md#b)\n# Here\n"
+    )
+    assert broken_links(page) == ["gone.md (no such file)", "other.md#b (no such heading)"]
