@@ -126,7 +126,7 @@ FIXED_ON_RESUME: dict[str, tuple[str, ...] | None] = {
 }
 """The settings a resumed run keeps, by section (None: every key): they define the run's
 trajectory, so the run a resume continues must be the one they started. Every other setting
-may change on resume (README.md, "Checkpoints")."""
+may change on resume (docs/checkpoints.md)."""
 
 
 def fixed_on_resume(values: typing.Mapping[str, typing.Mapping[str, Any]]) -> dict[str, Any]:
