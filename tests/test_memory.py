@@ -11,15 +11,10 @@ import torch.nn.functional as F
 from plugtrain_activation_checkpointing import ActivationCheckpointing
 
 from plugtrain.cli import main
-from plugtrain.model.memory import (
-    Checkpointing,
-    checkpointing_of,
-    estimate_memory,
-    estimate_run,
-    layer_bytes_per_token,
-)
+from plugtrain.model.memory import Checkpointing, estimate_memory, layer_bytes_per_token
 from plugtrain.model.transformer import FLAVORS, Transformer
 from plugtrain.testing import PeakMemory, make_trainer, model_context
+from plugtrain.training.estimate import checkpointing_of, estimate_run
 from plugtrain.training.launch import configure
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.toml"))

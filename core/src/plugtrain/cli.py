@@ -102,7 +102,7 @@ def prepare_data(args: argparse.Namespace) -> int:
 
 def print_estimate(args: argparse.Namespace, overrides: list[str]) -> None:
     """Print the memory estimate of ``args.config`` (with ``overrides``) on ``args.gpus``."""
-    from plugtrain.model import estimate_run  # lazy: only this command needs it
+    from plugtrain.training import estimate_run  # lazy: only this command needs it
 
     configured = configure(["--config", args.config, *overrides])
     assert configured is not None  # no --help among the overrides: argparse took it

@@ -14,7 +14,7 @@ __getattr__, __dir__, __all__ = front_door(
             "read_hf_config",
             "to_hf",
         ],
-        "memory": ["estimate_run"],
+        "memory": ["Checkpointing", "MemoryEstimate", "estimate_memory"],
         "sharding": ["DTYPES", "build_model", "replica_sync", "reshard"],
         "decoding": ["TextTokenizer", "complete", "generate", "next_token"],
         "transformer": ["KVCache", "Transformer", "cross_entropy", "scale_rope_frequencies"],

@@ -1,4 +1,4 @@
-"""The estimate of a run's memory on each device: weights, optimizer state, activations, logits.
+"""The memory a training step holds on each device, from the model's shape: weights to logits.
 
 :func:`estimate_memory` adds up, in bytes per process, what a training step holds at its peak
 (the start of the last microbatch's backward, when every activation is still kept and the
@@ -43,30 +43,19 @@ activations in flight during backward, ``torch.compile``'s buffers, and plugins'
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-from plugtrain.config import JobConfig
-from plugtrain.data import Tokenizer
-from plugtrain.distributed import mesh_shape
-from plugtrain.errors import ConfigError
 from plugtrain.model.sharding import DTYPES, needs_sharding
 from plugtrain.model.transformer import ModelArgs
 
 __all__ = [
     "Checkpointing",
     "MemoryEstimate",
-    "checkpointing_of",
     "estimate_memory",
-    "estimate_run",
     "layer_bytes_per_token",
 ]
-
-CHECKPOINTING_PLUGIN = "activation_checkpointing"
-"""The plugin whose config section says what activation checkpointing a run does."""
 
 
 @dataclass(frozen=True)
@@ -85,22 +74,6 @@ class Checkpointing:
             "op": "selective activation checkpointing (by op)",
             "layer": f"selective activation checkpointing (every {self.every} blocks)",
         }[self.mode]
-
-
-def checkpointing_of(config: JobConfig) -> Checkpointing:
-    """The activation checkpointing ``config`` asks for, from the plugin's section if enabled.
-
-    Read by field name, as the plugin declares them (``mode``, ``selective_by``, ``every``):
-    the core imports no plugin.
-    """
-    if CHECKPOINTING_PLUGIN not in config.plugin_sections:
-        return Checkpointing()
-    section = config.plugin(CHECKPOINTING_PLUGIN)
-    if section.mode == "full":
-        return Checkpointing("full")
-    if section.selective_by == "op":
-        return Checkpointing("op")
-    return Checkpointing("layer", section.every)
 
 
 def layer_bytes_per_token(args: ModelArgs, compute_bytes: int, mode: str) -> int:
@@ -215,43 +188,3 @@ def estimate_memory(
         setting=f"{world_size} process(es), microbatch {microbatch} x {seq_len} tokens, "
         f"{param_dtype} compute",
     )
-
-
-def estimate_run(
-    config: JobConfig, world_size: int, vocab_size: int | None = None
-) -> MemoryEstimate:
-    """:func:`estimate_memory` for ``config`` on ``world_size`` processes.
-
-    ``vocab_size`` is the tokenizer's; by default it is read from ``model.tokenizer_path``, or,
-    where that file does not exist, the flavor's is used (and the estimate says so). With flavor
-    ``hf`` the embedding has config.json's rows whatever the tokenizer.
-    """
-    train, par = config.training, config.parallelism
-    # Degrees a run on world_size processes would refuse are refused here too.
-    shape = mesh_shape(world_size, par.dp_replicate, par.dp_shard)
-    replicas = shape[0] if len(shape) == 2 else 1
-    parts = world_size * train.grad_accum_steps
-    if train.batch_size % parts:
-        raise ConfigError(
-            f"training.batch_size {train.batch_size} is not divisible by world_size * "
-            f"grad_accum_steps = {world_size} * {train.grad_accum_steps} = {parts}: set "
-            f"training.batch_size to a multiple of {parts} or change grad_accum_steps"
-        )
-    whose = ""
-    if vocab_size is None and Path(config.model.tokenizer_path).is_file():
-        vocab_size = Tokenizer.from_file(config.model.tokenizer_path).vocab_size
-    if vocab_size is None and config.model.flavor != "hf":
-        whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
-    args = config.model.model_args(vocab_size, train.seq_len)
-    estimate = estimate_memory(
-        args,
-        world_size=world_size,
-        microbatch=train.batch_size // parts,
-        seq_len=train.seq_len,
-        param_dtype=train.mixed_precision_param,
-        reduce_dtype=train.mixed_precision_reduce,
-        checkpointing=checkpointing_of(config),
-        dp_replicate=replicas,
-    )
-    setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"
-    return dataclasses.replace(estimate, setting=setting)

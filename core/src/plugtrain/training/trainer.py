@@ -46,7 +46,6 @@ from plugtrain.model import (
     Transformer,
     build_model,
     cross_entropy,
-    estimate_run,
     replica_sync,
     reshard,
 )
@@ -70,6 +69,7 @@ from plugtrain.plugin import (
     ValidationContext,
 )
 from plugtrain.training.dump_folder import lock_dump_folder
+from plugtrain.training.estimate import estimate_run
 from plugtrain.training.loss_terms import LossTerms
 from plugtrain.training.optim import LRSchedule, build_optimizer, lr_factor
 from plugtrain.training.requests import RunRequests

@@ -1,0 +1,79 @@
+"""A run's memory estimate: its config's model, batch, dtypes and checkpointing on N processes.
+
+:func:`estimate_run` reads what :func:`~plugtrain.model.memory.estimate_memory` needs from a
+config (the tokenizer's vocabulary, the microbatch, the mesh, the activation checkpointing
+plugin's section) and refuses what a run would refuse; the formulas are in
+:mod:`plugtrain.model.memory`. For ``plugtrain estimate`` and the trainer's start-up line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from plugtrain.config import JobConfig
+from plugtrain.data import Tokenizer
+from plugtrain.distributed import mesh_shape
+from plugtrain.errors import ConfigError
+from plugtrain.model import Checkpointing, MemoryEstimate, estimate_memory
+
+__all__ = ["checkpointing_of", "estimate_run"]
+
+CHECKPOINTING_PLUGIN = "activation_checkpointing"
+"""The plugin whose config section says what activation checkpointing a run does."""
+
+
+def checkpointing_of(config: JobConfig) -> Checkpointing:
+    """The activation checkpointing ``config`` asks for, from the plugin's section if enabled.
+
+    Read by field name, as the plugin declares them (``mode``, ``selective_by``, ``every``):
+    the core imports no plugin.
+    """
+    if CHECKPOINTING_PLUGIN not in config.plugin_sections:
+        return Checkpointing()
+    section = config.plugin(CHECKPOINTING_PLUGIN)
+    if section.mode == "full":
+        return Checkpointing("full")
+    if section.selective_by == "op":
+        return Checkpointing("op")
+    return Checkpointing("layer", section.every)
+
+
+def estimate_run(
+    config: JobConfig, world_size: int, vocab_size: int | None = None
+) -> MemoryEstimate:
+    """:func:`estimate_memory` for ``config`` on ``world_size`` processes.
+
+    ``vocab_size`` is the tokenizer's; by default it is read from ``model.tokenizer_path``, or,
+    where that file does not exist, the flavor's is used (and the estimate says so). With flavor
+    ``hf`` the embedding has config.json's rows whatever the tokenizer.
+    """
+    train, par = config.training, config.parallelism
+    # Degrees a run on world_size processes would refuse are refused here too.
+    shape = mesh_shape(world_size, par.dp_replicate, par.dp_shard)
+    replicas = shape[0] if len(shape) == 2 else 1
+    parts = world_size * train.grad_accum_steps
+    if train.batch_size % parts:
+        raise ConfigError(
+            f"training.batch_size {train.batch_size} is not divisible by world_size * "
+            f"grad_accum_steps = {world_size} * {train.grad_accum_steps} = {parts}: set "
+            f"training.batch_size to a multiple of {parts} or change grad_accum_steps"
+        )
+    whose = ""
+    if vocab_size is None and Path(config.model.tokenizer_path).is_file():
+        vocab_size = Tokenizer.from_file(config.model.tokenizer_path).vocab_size
+    if vocab_size is None and config.model.flavor != "hf":
+        whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
+    args = config.model.model_args(vocab_size, train.seq_len)
+    estimate = estimate_memory(
+        args,
+        world_size=world_size,
+        microbatch=train.batch_size // parts,
+        seq_len=train.seq_len,
+        param_dtype=train.mixed_precision_param,
+        reduce_dtype=train.mixed_precision_reduce,
+        checkpointing=checkpointing_of(config),
+        dp_replicate=replicas,
+    )
+    setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"
+    return dataclasses.replace(estimate, setting=setting)
