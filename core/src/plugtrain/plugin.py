@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
 import torch
@@ -36,6 +36,7 @@ __all__ = [
     "PROJECT_NAME",
     "ConfigError",
     "EncodedTasks",
+    "HfExporter",
     "LossContext",
     "ModelContext",
     "PluginError",
@@ -52,7 +53,6 @@ __all__ = [
     "complete",
     "data_parallel_group",
     "encode_tasks",
-    "export_hf",
     "full_tensor",
     "hookimpl",
     "local_tensor",
@@ -133,6 +133,27 @@ def wrap_forward(module: nn.Module, wrapper: Callable[[Callable[..., Any]], Any]
     module.forward = wrapper(module.forward)
 
 
+class HfExporter(Protocol):
+    """What :attr:`SetupContext.export_hf` is: the writer of ``plugtrain export-hf``."""
+
+    def __call__(
+        self,
+        checkpoint: Path,
+        out: Path,
+        *,
+        dtype: torch.dtype = ...,
+        weights: str = ...,
+        max_shard_size: int = ...,
+        overwrite: bool = ...,
+    ) -> object:
+        """Write complete checkpoint folder ``checkpoint`` as the Hugging Face Llama folder
+        ``out``, as ``plugtrain export-hf`` does (the same bytes): ``weights`` is ``"model"``
+        or ``"ema"`` (the ema plugin's average), every floating tensor is cast to ``dtype``
+        (default bfloat16), files above ``max_shard_size`` bytes (default 5e9) are split.
+        Reads one tensor at a time in this process, with no collective: call it on one rank.
+        Bad input raises a one-line ``UserError``."""
+
+
 @dataclass(eq=False)
 class SetupContext:
     """What the ``setup`` hook receives: the run as built, before its first step.
@@ -166,6 +187,9 @@ class SetupContext:
     name_of: Callable[[object], str] = field(repr=False)
     """The name a registered plugin object runs under: its entry point's name, which is also
     its config section and its metrics' prefix."""
+    export_hf: HfExporter = field(repr=False)
+    """Writes a saved checkpoint as a Hugging Face folder (:class:`HfExporter`): handed in by
+    the trainer, as the plugin API sits below the checkpoint code."""
     loss_scaler: str | None = None
     """The plugin that declared, with :meth:`register_loss_scaler`, that it scales the loss."""
     deactivations: dict[object, str] = field(default_factory=dict, repr=False)
@@ -315,32 +339,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local part of ``t``: ``to_local()`` of a DTensor, ``t`` itself otherwise."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
-
-
-def export_hf(
-    checkpoint: Path,
-    out: Path,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    weights: str = "model",
-    max_shard_size: int = 5 * 10**9,
-    overwrite: bool = False,
-) -> None:
-    """Write complete checkpoint folder ``checkpoint`` as the Hugging Face Llama folder ``out``,
-    as ``plugtrain export-hf`` does (the same bytes): ``weights`` is ``"model"`` or ``"ema"``
-    (the ema plugin's average), every floating tensor is cast to ``dtype``, files above
-    ``max_shard_size`` bytes are split. Reads one tensor at a time in this process, with no
-    collective: call it on one rank. Bad input raises a one-line ``UserError``."""
-    from plugtrain.checkpoint import export_checkpoint
-
-    export_checkpoint(
-        checkpoint,
-        out,
-        dtype=dtype,
-        weights=weights,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-    )
 
 
 MetricValue = float | int | torch.Tensor

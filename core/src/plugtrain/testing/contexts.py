@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from plugtrain.checkpoint import export_checkpoint
 from plugtrain.plugin import ModelContext, SetupContext, StepContext
 from plugtrain.testing.runs import tiny_args
 
@@ -140,6 +141,7 @@ def setup_context(
         rank=0,
         world_size=1,
         name_of=name_of,
+        export_hf=export_checkpoint,
     )
 
 

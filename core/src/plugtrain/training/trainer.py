@@ -22,6 +22,7 @@ from plugtrain import sample
 from plugtrain.checkpoint import (
     CheckpointManager,
     InitialLoad,
+    export_checkpoint,
     initial_load_ignored,
     open_initial_load,
     seed_generators,
@@ -294,6 +295,7 @@ class Trainer:
             rank=self.world.rank,
             world_size=self.world.world_size,
             name_of=self.host.name_of,
+            export_hf=export_checkpoint,
             control=self.control,
             tokenizer=self.tokenizer,
         )

@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from plugtrain.plugin import ConfigError, SetupContext, export_hf, hookimpl
+from plugtrain.plugin import ConfigError, HfExporter, SetupContext, hookimpl
 
 __all__ = ["HfExport", "HfExportConfig"]
 
@@ -41,6 +41,9 @@ class HfExportConfig:
 class HfExport:
     """Exports ``step-<N>/`` to ``step-<N>/hf/`` on rank 0 once the checkpoint is complete."""
 
+    export: HfExporter
+    """The run's exporter (``SetupContext.export_hf``), set in ``setup``, before any save."""
+
     def __init__(self) -> None:
         self.config = HfExportConfig()
         self.rank = 0
@@ -54,6 +57,7 @@ class HfExport:
     def setup(self, ctx: SetupContext) -> None:
         self.config = ctx.plugin_config(self)
         self.rank = ctx.rank
+        self.export = ctx.export_hf
         self.last_step = ctx.config.training.steps
         if self.config.weights == "ema" and "ema" not in ctx.config.plugins.enabled:
             raise ConfigError(
@@ -66,7 +70,7 @@ class HfExport:
         if self.rank != 0 or (self.config.every == "last" and step != self.last_step):
             return
         out = folder / "hf"
-        export_hf(
+        self.export(
             folder,
             out,
             dtype=getattr(torch, self.config.dtype),
