@@ -18,6 +18,25 @@ CORE = REPO / "core" / "src"
 PLUGIN_API = {"plugtrain.plugin", "plugtrain.testing"}
 """The only core modules a plugin (or the plugin template) may import, in its code and its
 tests (the kit's modules, ``plugtrain.testing.<module>``, count as the kit)."""
+FLOORS = [
+    ["plugtrain", "plugtrain.errors", "plugtrain.exports", "plugtrain.sample"],
+    ["plugtrain.distributed"],
+    ["plugtrain.model"],
+    ["plugtrain.evaluation"],  # scores a model: needs the model only
+    ["plugtrain.config"],
+    ["plugtrain.plugin", "plugtrain.hookspecs"],  # the plugin API and the hook contract
+    ["plugtrain.host"],
+    ["plugtrain.data"],
+    ["plugtrain.checkpoint"],
+    ["plugtrain.observability"],
+    ["plugtrain.training"],
+    ["plugtrain.generate", "plugtrain.eval_command"],  # commands that load a saved model
+    ["plugtrain.cli", "plugtrain.__main__", "plugtrain.testing"],  # entry points
+]
+"""The core's layers, bottom-up: a module (or every module of a package) may import its own
+floor and those below, never one above. The plugin API re-exports what plugins use from
+the floors below it (``evaluation``'s scorer, the model's decoding loop); what it needs from
+above (the exporter) the trainer hands in."""
 TRAINER = "plugtrain.training.trainer"
 """The composition root: only entry points (train.py, the CLI) may import it."""
 TRAINER_IMPORTERS = ["plugtrain.cli", "plugtrain.testing.runs"]
@@ -91,6 +110,28 @@ def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
     return None
 
 
+def floor_of(module: str, floors: list[list[str]]) -> int | None:
+    """The index of the floor that names ``module`` or the package that holds it (``plugtrain``
+    names the root module only, not the whole package), or None."""
+    for index, floor in enumerate(floors):
+        packages = [part for part in floor if part != "plugtrain"]
+        if module in floor or any(module.startswith(f"{part}.") for part in packages):
+            return index
+    return None
+
+
+def upward_imports(graph: Mapping[str, set[str]], floors: list[list[str]]) -> list[str]:
+    """Each import of ``graph`` from a floor of ``floors`` to a higher one, in words."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        here = floor_of(module, floors)
+        for target in sorted(imported):
+            there = floor_of(target, floors)
+            if here is not None and there is not None and there > here:
+                found.append(f"{module} (floor {here}) imports {target} (floor {there})")
+    return found
+
+
 def plugin_files() -> Iterator[Path]:
     """Every plugin's (and the template's) code and tests."""
     for plugin in [*REPO.glob("plugins/*"), REPO / "templates" / "plugin"]:
@@ -111,6 +152,34 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_the_core_has_no_import_cycle():
     assert find_cycle(core_graph()) is None
+
+
+def test_every_core_module_has_a_floor():
+    assert [name for name in sorted(core_graph()) if floor_of(name, FLOORS) is None] == []
+
+
+def test_no_import_runs_from_a_lower_floor_to_a_higher_one():
+    assert upward_imports(core_graph(), FLOORS) == []
+
+
+def test_an_import_up_is_reported_wherever_it_hides(tmp_path):
+    # A module of the model floor importing the config under TYPE_CHECKING, and the checkpoint
+    # code inside a function: both are found, by the same parser the real graph uses.
+    module = tmp_path / "memory.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from plugtrain.errors import ConfigError\n"
+        "if TYPE_CHECKING:\n"
+        "    from plugtrain.config import JobConfig\n"
+        "def export():\n"
+        "    from plugtrain.checkpoint import export_checkpoint\n"
+    )
+    graph = {"plugtrain.model.memory": imported_modules(module, set())}
+    assert upward_imports(graph, FLOORS) == [
+        "plugtrain.model.memory (floor 2) imports plugtrain.checkpoint (floor 8)",
+        "plugtrain.model.memory (floor 2) imports plugtrain.config (floor 4)",
+    ]
+    assert upward_imports({"plugtrain.config": {"plugtrain.model"}}, FLOORS) == []
 
 
 def test_only_entry_points_import_the_trainer():
