@@ -1,23 +1,25 @@
 """Data: the tokenizer, and the pipeline from documents to training batches."""
 
-from plugtrain.exports import front_door
+from typing import TYPE_CHECKING
 
-__getattr__, __dir__, __all__ = front_door(
-    __name__,
-    {
-        "cache": ["open_token_store"],
-        "mixture": ["MixtureDataset"],
-        "pipeline": [
-            "MicroBatch",
-            "PackedDataset",
-            "StatefulBatchLoader",
-            "count_eval_batches",
-            "iter_eval_batches",
-        ],
-        "prefetch": ["DevicePrefetcher"],
-        "prepare": ["SHARD_TOKENS"],
-        "skips": ["SkippingLoader", "read_skip_file", "write_skip_file"],
-        "sources": ["iter_documents"],
-        "tokenizer": ["BOS_TOKEN", "EOS_TOKEN", "Tokenizer"],
-    },
-)
+if TYPE_CHECKING:
+    from plugtrain.data.cache import open_token_store as open_token_store
+    from plugtrain.data.mixture import MixtureDataset as MixtureDataset
+    from plugtrain.data.pipeline import MicroBatch as MicroBatch
+    from plugtrain.data.pipeline import PackedDataset as PackedDataset
+    from plugtrain.data.pipeline import StatefulBatchLoader as StatefulBatchLoader
+    from plugtrain.data.pipeline import count_eval_batches as count_eval_batches
+    from plugtrain.data.pipeline import iter_eval_batches as iter_eval_batches
+    from plugtrain.data.prefetch import DevicePrefetcher as DevicePrefetcher
+    from plugtrain.data.prepare import SHARD_TOKENS as SHARD_TOKENS
+    from plugtrain.data.skips import SkippingLoader as SkippingLoader
+    from plugtrain.data.skips import read_skip_file as read_skip_file
+    from plugtrain.data.skips import write_skip_file as write_skip_file
+    from plugtrain.data.sources import iter_documents as iter_documents
+    from plugtrain.data.tokenizer import BOS_TOKEN as BOS_TOKEN
+    from plugtrain.data.tokenizer import EOS_TOKEN as EOS_TOKEN
+    from plugtrain.data.tokenizer import Tokenizer as Tokenizer
+else:
+    from plugtrain.exports import front_door
+
+    __getattr__, __dir__, __all__ = front_door(__name__, __file__)

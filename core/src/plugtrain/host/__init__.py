@@ -1,10 +1,12 @@
 """The plugin system: discovery of installed plugins and the host that registers and calls them."""
 
-from plugtrain.exports import front_door
+from typing import TYPE_CHECKING
 
-__getattr__, __dir__, __all__ = front_door(
-    __name__,
-    {
-        "plugin_host": ["Implementation", "PluginHost", "installed_plugins"],
-    },
-)
+if TYPE_CHECKING:
+    from plugtrain.host.plugin_host import Implementation as Implementation
+    from plugtrain.host.plugin_host import PluginHost as PluginHost
+    from plugtrain.host.plugin_host import installed_plugins as installed_plugins
+else:
+    from plugtrain.exports import front_door
+
+    __getattr__, __dir__, __all__ = front_door(__name__, __file__)

@@ -1,22 +1,34 @@
 """The model: a Llama-style transformer and its FSDP2 sharding."""
 
-from plugtrain.exports import front_door
+from typing import TYPE_CHECKING
 
-__getattr__, __dir__, __all__ = front_door(
-    __name__,
-    {
-        "args": ["FLAVORS", "ModelArgs", "RopeScaling", "run_model_args"],
-        "hf": [
-            "from_hf",
-            "hf_config",
-            "model_args_from_hf",
-            "parameter_shapes",
-            "read_hf_config",
-            "to_hf",
-        ],
-        "memory": ["Checkpointing", "MemoryEstimate", "estimate_memory"],
-        "sharding": ["DTYPES", "build_model", "replica_sync", "reshard"],
-        "decoding": ["TextTokenizer", "complete", "generate", "next_token"],
-        "transformer": ["KVCache", "Transformer", "cross_entropy", "scale_rope_frequencies"],
-    },
-)
+if TYPE_CHECKING:
+    from plugtrain.model.args import FLAVORS as FLAVORS
+    from plugtrain.model.args import ModelArgs as ModelArgs
+    from plugtrain.model.args import RopeScaling as RopeScaling
+    from plugtrain.model.args import run_model_args as run_model_args
+    from plugtrain.model.decoding import TextTokenizer as TextTokenizer
+    from plugtrain.model.decoding import complete as complete
+    from plugtrain.model.decoding import generate as generate
+    from plugtrain.model.decoding import next_token as next_token
+    from plugtrain.model.hf import from_hf as from_hf
+    from plugtrain.model.hf import hf_config as hf_config
+    from plugtrain.model.hf import model_args_from_hf as model_args_from_hf
+    from plugtrain.model.hf import parameter_shapes as parameter_shapes
+    from plugtrain.model.hf import read_hf_config as read_hf_config
+    from plugtrain.model.hf import to_hf as to_hf
+    from plugtrain.model.memory import Checkpointing as Checkpointing
+    from plugtrain.model.memory import MemoryEstimate as MemoryEstimate
+    from plugtrain.model.memory import estimate_memory as estimate_memory
+    from plugtrain.model.sharding import DTYPES as DTYPES
+    from plugtrain.model.sharding import build_model as build_model
+    from plugtrain.model.sharding import replica_sync as replica_sync
+    from plugtrain.model.sharding import reshard as reshard
+    from plugtrain.model.transformer import KVCache as KVCache
+    from plugtrain.model.transformer import Transformer as Transformer
+    from plugtrain.model.transformer import cross_entropy as cross_entropy
+    from plugtrain.model.transformer import scale_rope_frequencies as scale_rope_frequencies
+else:
+    from plugtrain.exports import front_door
+
+    __getattr__, __dir__, __all__ = front_door(__name__, __file__)

@@ -55,43 +55,50 @@ in any module, test files included (a module that is not importable by name, as 
 
 from __future__ import annotations
 
-from plugtrain.exports import front_door
+from typing import TYPE_CHECKING
 
-__getattr__, __dir__, __all__ = front_door(
-    __name__,
-    {
-        "checks": [
-            "Costs",
-            "PeakMemory",
-            "StepWatcher",
-            "assert_costs",
-            "check_order_independence",
-            "count_costs",
-        ],
-        "contexts": ["model_context", "setup_context", "step_context"],
-        "faults": ["InjectInf", "PoisonBatches", "SigtermAt", "interrupted_and_resumed", "poison"],
-        "hf": [
-            "HF_VARIANTS",
-            "hf_llama_config",
-            "hf_llama_folder",
-            "hf_llama_logits",
-            "save_random_llama",
-        ],
-        "processes": ["free_port", "run_distributed", "run_script"],
-        "pytest_plugin": ["plugtrain_run"],
-        "recipes": ["RecipeResult", "canonical_fp16_loop", "grad_norm"],
-        "reference": ["InMemoryStream", "build_dataset", "load_jsonl_texts", "tokenize_documents"],
-        "runs": [
-            "SAMPLE",
-            "HookLog",
-            "RunResult",
-            "Trainer",
-            "cross_entropy",
-            "make_trainer",
-            "parameter_checksums",
-            "read_metrics",
-            "tiny_args",
-            "tiny_run",
-        ],
-    },
-)
+if TYPE_CHECKING:
+    from plugtrain.testing.checks import Costs as Costs
+    from plugtrain.testing.checks import PeakMemory as PeakMemory
+    from plugtrain.testing.checks import StepWatcher as StepWatcher
+    from plugtrain.testing.checks import assert_costs as assert_costs
+    from plugtrain.testing.checks import check_order_independence as check_order_independence
+    from plugtrain.testing.checks import count_costs as count_costs
+    from plugtrain.testing.contexts import model_context as model_context
+    from plugtrain.testing.contexts import setup_context as setup_context
+    from plugtrain.testing.contexts import step_context as step_context
+    from plugtrain.testing.faults import InjectInf as InjectInf
+    from plugtrain.testing.faults import PoisonBatches as PoisonBatches
+    from plugtrain.testing.faults import SigtermAt as SigtermAt
+    from plugtrain.testing.faults import interrupted_and_resumed as interrupted_and_resumed
+    from plugtrain.testing.faults import poison as poison
+    from plugtrain.testing.hf import HF_VARIANTS as HF_VARIANTS
+    from plugtrain.testing.hf import hf_llama_config as hf_llama_config
+    from plugtrain.testing.hf import hf_llama_folder as hf_llama_folder
+    from plugtrain.testing.hf import hf_llama_logits as hf_llama_logits
+    from plugtrain.testing.hf import save_random_llama as save_random_llama
+    from plugtrain.testing.processes import free_port as free_port
+    from plugtrain.testing.processes import run_distributed as run_distributed
+    from plugtrain.testing.processes import run_script as run_script
+    from plugtrain.testing.pytest_plugin import plugtrain_run as plugtrain_run
+    from plugtrain.testing.recipes import RecipeResult as RecipeResult
+    from plugtrain.testing.recipes import canonical_fp16_loop as canonical_fp16_loop
+    from plugtrain.testing.recipes import grad_norm as grad_norm
+    from plugtrain.testing.reference import InMemoryStream as InMemoryStream
+    from plugtrain.testing.reference import build_dataset as build_dataset
+    from plugtrain.testing.reference import load_jsonl_texts as load_jsonl_texts
+    from plugtrain.testing.reference import tokenize_documents as tokenize_documents
+    from plugtrain.testing.runs import SAMPLE as SAMPLE
+    from plugtrain.testing.runs import HookLog as HookLog
+    from plugtrain.testing.runs import RunResult as RunResult
+    from plugtrain.testing.runs import Trainer as Trainer
+    from plugtrain.testing.runs import cross_entropy as cross_entropy
+    from plugtrain.testing.runs import make_trainer as make_trainer
+    from plugtrain.testing.runs import parameter_checksums as parameter_checksums
+    from plugtrain.testing.runs import read_metrics as read_metrics
+    from plugtrain.testing.runs import tiny_args as tiny_args
+    from plugtrain.testing.runs import tiny_run as tiny_run
+else:
+    from plugtrain.exports import front_door
+
+    __getattr__, __dir__, __all__ = front_door(__name__, __file__)
