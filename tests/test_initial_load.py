@@ -14,11 +14,10 @@ from safetensors.torch import load_file, save_file
 from plugtrain.checkpoint import read_checkpoint
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError
-from plugtrain.model import run_model_args
+from plugtrain.model import cross_entropy, run_model_args
 from plugtrain.plugin import local_tensor
 from plugtrain.testing import (
     SAMPLE,
-    cross_entropy,
     hf_llama_folder,
     hf_llama_logits,
     make_trainer,

@@ -12,7 +12,6 @@ from plugtrain.plugin import StepContext, hookimpl
 from plugtrain.testing import (
     InjectInf,
     StepWatcher,
-    cross_entropy,
     make_trainer,
     poison,
     run_distributed,
@@ -64,7 +63,7 @@ def compare_scaler_classes(dump_folder: str) -> dict:
     out = {}
     for cls in (torch.amp.GradScaler, ShardedGradScaler):
         scaler = cls("cpu", init_scale=1024.0)
-        scaler.scale(cross_entropy(trainer.model(inputs), targets)).backward()
+        scaler.scale(trainer.loss_fn(trainer.model(inputs), targets)).backward()
         if dist.get_rank() == 1:
             poison(trainer.model)
         with profile(activities=[ProfilerActivity.CPU]) as unscale_prof:

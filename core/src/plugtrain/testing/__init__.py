@@ -14,7 +14,7 @@ Runs (:mod:`~plugtrain.testing.runs`, :mod:`~plugtrain.testing.processes`):
   per-step losses, the metrics records, each rank's parameter checksum, the hooks fired in
   order and the skipped steps. The ``plugtrain_run`` fixture is the same, in ``tmp_path``.
 * :func:`make_trainer` builds the :class:`Trainer` of such a run for tests that drive it
-  themselves; :func:`tiny_args` are its command-line arguments; :func:`cross_entropy` is its
+  themselves; :func:`tiny_args` are its command-line arguments; its ``loss_fn`` is its
   loss, for a reference loop written out.
 * :func:`run_distributed` calls a function on N spawned ranks; :func:`run_script` runs a
   training script as a user would (python, or torchrun for several processes).
@@ -92,7 +92,6 @@ if TYPE_CHECKING:
     from plugtrain.testing.runs import HookLog as HookLog
     from plugtrain.testing.runs import RunResult as RunResult
     from plugtrain.testing.runs import Trainer as Trainer
-    from plugtrain.testing.runs import cross_entropy as cross_entropy
     from plugtrain.testing.runs import make_trainer as make_trainer
     from plugtrain.testing.runs import parameter_checksums as parameter_checksums
     from plugtrain.testing.runs import read_metrics as read_metrics

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from plugtrain.model import cross_entropy
 from plugtrain.plugin import full_tensor
 from plugtrain.testing.faults import poison
-from plugtrain.testing.runs import Trainer, cross_entropy
+from plugtrain.testing.runs import Trainer
 
 
 def grad_norm(model: torch.nn.Module) -> float:

@@ -2,7 +2,7 @@
 
 The shipped sample (:data:`SAMPLE`) is the data; :func:`tiny_run` trains on 1 or more
 processes and returns a :class:`RunResult`; :func:`make_trainer` gives the :class:`Trainer`
-itself, and :func:`cross_entropy` is its loss, for tests that write a reference loop out. This
+itself, whose ``loss_fn`` is its loss, for tests that write a reference loop out. This
 is the one module of the kit that imports the trainer: like ``train.py``, it is an entry point
 that builds runs.
 """
@@ -31,14 +31,13 @@ from plugtrain.plugin import (
 )
 from plugtrain.testing.processes import run_distributed
 from plugtrain.testing.session import session_cache
-from plugtrain.training import Trainer, configure, cross_entropy
+from plugtrain.training import Trainer, configure
 
 __all__ = [
     "SAMPLE",
     "HookLog",
     "RunResult",
     "Trainer",
-    "cross_entropy",
     "make_trainer",
     "parameter_checksums",
     "read_metrics",

@@ -8,7 +8,6 @@ if TYPE_CHECKING:
     from plugtrain.training.launch import ends_quietly as ends_quietly
     from plugtrain.training.launch import run_cli as run_cli
     from plugtrain.training.trainer import Trainer as Trainer
-    from plugtrain.training.trainer import cross_entropy as cross_entropy
 else:
     from plugtrain.exports import front_door
 
