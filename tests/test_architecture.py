@@ -24,10 +24,10 @@ FLOORS = [
     ["plugtrain.model"],
     ["plugtrain.evaluation"],  # scores a model: needs the model only
     ["plugtrain.config"],
-    ["plugtrain.plugin", "plugtrain.hookspecs"],  # the plugin API and the hook contract
-    ["plugtrain.host"],
     ["plugtrain.data"],
     ["plugtrain.checkpoint"],
+    ["plugtrain.plugin", "plugtrain.hookspecs"],  # the plugin API and the hook contract
+    ["plugtrain.host"],
     ["plugtrain.observability"],
     ["plugtrain.training"],
     ["plugtrain.generate", "plugtrain.eval_command"],  # commands that load a saved model
@@ -176,7 +176,7 @@ def test_an_import_up_is_reported_wherever_it_hides(tmp_path):
     )
     graph = {"plugtrain.model.memory": imported_modules(module, set())}
     assert upward_imports(graph, FLOORS) == [
-        "plugtrain.model.memory (floor 2) imports plugtrain.checkpoint (floor 8)",
+        "plugtrain.model.memory (floor 2) imports plugtrain.checkpoint (floor 6)",
         "plugtrain.model.memory (floor 2) imports plugtrain.config (floor 4)",
     ]
     assert upward_imports({"plugtrain.config": {"plugtrain.model"}}, FLOORS) == []

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plugtrain import API_VERSION, PROJECT_NAME
+from plugtrain.data import Rewind, SkipRange
 from plugtrain.errors import ConfigError, PluginError, check_field
 from plugtrain.evaluation import EncodedTasks, Score, Task, encode_tasks, read_task, score
 from plugtrain.model import TextTokenizer, complete
@@ -386,36 +387,6 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Ten
 
 
 # --------------------------------------------------------------------------- run control
-
-
-@dataclass(frozen=True)
-class SkipRange:
-    """Global batch numbers ``first`` to ``last`` (inclusive) that the data loader skips."""
-
-    first: int
-    last: int
-    source: str
-    """The plugin that asked for it ("" when only a checkpoint knows it)."""
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class Rewind:
-    """A rewind :meth:`RunControl.rewind` asked for at ``step``; after it is done,
-    :attr:`RunControl.rewinds` holds it with ``loaded_step`` and ``skipped`` filled in."""
-
-    step: int
-    """The step after which it was asked for."""
-    to_step: int
-    """Go back to the latest complete checkpoint at this step or earlier."""
-    through_batch: int
-    """Skip the batches after that checkpoint's through this global batch number."""
-    source: str
-    reason: str
-    loaded_step: int = 0
-    """The checkpoint's step it went back to (0 until done)."""
-    skipped: SkipRange | None = None
-    """The batches it skipped (None until done, or if none were left to skip)."""
 
 
 class RunControl:

@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -71,9 +71,20 @@ from plugtrain.checkpoint.storage import CheckpointStorage, LocalStorage
 from plugtrain.config import CheckpointConfig
 from plugtrain.distributed import World
 from plugtrain.errors import CheckpointError, one_line
-from plugtrain.host import PluginHost
 
 logger = logging.getLogger("plugtrain")
+
+
+class PluginStates(Protocol):
+    """What the manager asks of the plugin host (``plugtrain.host.PluginHost``, a floor above):
+    each plugin's ``state_dict`` answer, its ``load_state_dict`` and the checkpoint hooks."""
+
+    hook: Any
+    """The hooks by name (pluggy's relay): ``checkpoint_saved``, ``checkpoint_loaded``."""
+
+    def results(self, hook_name: str, **kwargs: Any) -> dict[str, Any]: ...
+    def implementers(self, hook_name: str) -> list[str]: ...
+    def call_one(self, name: str, hook_name: str, **kwargs: Any) -> None: ...
 
 
 @contextlib.contextmanager
@@ -97,8 +108,9 @@ class CheckpointManager:
     It is given the pieces it saves, never the trainer: the model and optimizer (saved through
     DCP's ``get_state_dict``, sharded), ``states`` (objects with ``state_dict`` and
     ``load_state_dict``, saved under their key: the LR schedule, the data loader, the trainer's
-    counters) and the plugin host (each plugin's ``state_dict`` hook). ``run_config`` is the
-    run's resolved config as plain data (``JobConfig.to_dict``), saved with each checkpoint.
+    counters) and the plugin host (:class:`PluginStates`: each plugin's ``state_dict`` hook).
+    ``run_config`` is the run's resolved config as plain data (``JobConfig.to_dict``), saved
+    with each checkpoint.
 
     The trainer calls :meth:`load` once, after plugin setup; :meth:`after_step` after every
     optimizer step (it saves when due); :meth:`close` at the end, or :meth:`abort` after an
@@ -115,7 +127,7 @@ class CheckpointManager:
         model: nn.Module,
         optimizer: Optimizer,
         states: Mapping[str, Stateful],
-        host: PluginHost,
+        host: PluginStates,
         run_config: Mapping[str, Any],
     ) -> None:
         self.config = config

@@ -12,7 +12,9 @@ if TYPE_CHECKING:
     from plugtrain.data.pipeline import iter_eval_batches as iter_eval_batches
     from plugtrain.data.prefetch import DevicePrefetcher as DevicePrefetcher
     from plugtrain.data.prepare import SHARD_TOKENS as SHARD_TOKENS
+    from plugtrain.data.skips import Rewind as Rewind
     from plugtrain.data.skips import SkippingLoader as SkippingLoader
+    from plugtrain.data.skips import SkipRange as SkipRange
     from plugtrain.data.skips import read_skip_file as read_skip_file
     from plugtrain.data.skips import write_skip_file as write_skip_file
     from plugtrain.data.sources import iter_documents as iter_documents

@@ -4,7 +4,9 @@ Batches are numbered globally, 1 for the first the run draws, counting skipped o
 means the same data on every rank and at any world size. :class:`SkippingLoader` wraps any
 loader with ``next_batch``/``state_dict``/``load_state_dict`` and draws past the batches in its
 ranges. Its state (in checkpoints, under ``data``) is the inner loader's, plus the count of
-batches drawn and the ranges as a fixed-size tensor (checkpoints hold tensors only).
+batches drawn and the ranges as a fixed-size tensor (checkpoints hold tensors only). A range
+(:class:`SkipRange`) and a rewind (:class:`Rewind`) are what a plugin asks for through
+``plugtrain.plugin.RunControl``, which re-exports both.
 
 The ranges also live outside the checkpoints, in ``<job.dump_folder>/data_skips.json``, written
 atomically before they take effect, with the rewind in progress if any: a rewind to a checkpoint
@@ -16,14 +18,45 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from plugtrain.errors import DataError, one_line
-from plugtrain.plugin import Rewind, SkipRange
+
+
+@dataclass(frozen=True)
+class SkipRange:
+    """Global batch numbers ``first`` to ``last`` (inclusive) that the data loader skips."""
+
+    first: int
+    last: int
+    source: str
+    """The plugin that asked for it ("" when only a checkpoint knows it)."""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """A rewind :meth:`plugtrain.plugin.RunControl.rewind` asked for at ``step``; after it is
+    done, :attr:`~plugtrain.plugin.RunControl.rewinds` holds it with ``loaded_step`` and
+    ``skipped`` filled in."""
+
+    step: int
+    """The step after which it was asked for."""
+    to_step: int
+    """Go back to the latest complete checkpoint at this step or earlier."""
+    through_batch: int
+    """Skip the batches after that checkpoint's through this global batch number."""
+    source: str
+    reason: str
+    loaded_step: int = 0
+    """The checkpoint's step it went back to (0 until done)."""
+    skipped: SkipRange | None = None
+    """The batches it skipped (None until done, or if none were left to skip)."""
+
 
 SKIP_FILE = "data_skips.json"
 """The file of ``job.dump_folder`` that holds the run's skipped batch ranges."""
