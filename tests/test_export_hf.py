@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import json
@@ -10,17 +11,19 @@ import shutil
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 import torch.distributed.checkpoint as dcp
 
 from plugtrain.checkpoint import export
 from plugtrain.checkpoint.dcp_io import read_checkpoint
-from plugtrain.checkpoint.export import export_checkpoint, parse_size
+from plugtrain.checkpoint.export import export_checkpoint, parse_size, write_hf_folder
 from plugtrain.checkpoint.saved import find_checkpoint, open_checkpoint
 from plugtrain.cli import main
-from plugtrain.data.tokenizer import Tokenizer
+from plugtrain.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from plugtrain.model import parameter_shapes
 from plugtrain.model.hf import to_hf
-from plugtrain.model.transformer import Transformer
+from plugtrain.model.transformer import FLAVORS, Transformer
 from plugtrain.testing import SAMPLE, tiny_run
 
 transformers = pytest.importorskip("transformers")
@@ -90,6 +93,45 @@ def test_fp32_export_gives_plugtrain_logits_and_the_tokenizer(run, fp32):
     assert ids == ours.encode(text)
     assert theirs.decode(ids) == ours.decode(ids) == text
     assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+def test_the_exported_tokenizer_puts_bos_first_as_plugtrain_does(fp32):
+    """What plugtrain trains on, generates from and scores: BOS, the text's tokens, no EOS."""
+    ours = Tokenizer.from_file(SAMPLE / "tokenizer.json")
+    text = sample_text()
+    laid_out = [ours.bos_id, *ours.encode(text)]
+    for options in ({}, {"add_bos_token": True}):
+        theirs = transformers.AutoTokenizer.from_pretrained(fp32, **options)
+        assert theirs(text)["input_ids"] == laid_out, options
+    off = transformers.AutoTokenizer.from_pretrained(fp32, add_bos_token=False)
+    assert off(text)["input_ids"] == ours.encode(text)
+    bare = tokenizers.Tokenizer.from_file(str(fp32 / "tokenizer.json"))  # vLLM, TGI, llama.cpp
+    assert bare.encode(text).ids == laid_out
+    config = json.loads((fp32 / "tokenizer_config.json").read_text())
+    assert (config["add_bos_token"], config["add_eos_token"]) == (True, False)
+
+
+def test_a_tokenizer_without_bos_exports_without_one(tmp_path):
+    # Its own post-processor (here BERT's, adding special tokens around a text) goes: plugtrain
+    # adds no special token that the data pipeline does not place.
+    eos_id = Tokenizer.from_file(SAMPLE / "tokenizer.json").eos_id
+    spec = json.loads((SAMPLE / "tokenizer.json").read_text().replace(BOS_TOKEN, "<|unused|>"))
+    spec["post_processor"] = {
+        "type": "BertProcessing",
+        "sep": [EOS_TOKEN, eos_id],
+        "cls": [EOS_TOKEN, eos_id],
+    }
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    ours = Tokenizer.from_file(path)
+    assert ours.bos_id is None
+    args = dataclasses.replace(FLAVORS["tiny"], vocab_size=ours.vocab_size, max_seq_len=16)
+    shapes = parameter_shapes(args)
+    zeros = lambda name: torch.zeros(shapes[name])  # noqa: E731 (the weights do not matter)
+    out = write_hf_folder(tmp_path / "hf", args, zeros, tokenizer_path=path)
+    text = sample_text()
+    assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ours.encode(text)
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
 
 
 def test_export_without_the_qk_permutation_fails_the_logit_check(run, fp32, monkeypatch):
@@ -228,7 +270,9 @@ def test_a_missing_tokenizer_or_flavor_is_named(run, tmp_path, capsys):
     err = refused(["export-hf", str(copy), "-o", str(out)], capsys)
     assert "tokenizer 'gone/tokenizer.json' of checkpoint" in err and "--tokenizer" in err
     assert main(["export-hf", str(copy), "-o", str(out), "--tokenizer", str(moved)]) == 0
-    assert (out / "tokenizer.json").read_bytes() == moved.read_bytes()
+    exported, given = (json.loads(f.read_text()) for f in (out / "tokenizer.json", moved))
+    del exported["post_processor"], given["post_processor"]  # the export's puts BOS first
+    assert exported == given
     config["model"]["flavor"] = "70B"
     (copy / "config.json").write_text(json.dumps(config))
     err = refused(["export-hf", str(copy), "-o", str(tmp_path / "out2")], capsys)

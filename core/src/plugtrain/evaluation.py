@@ -9,8 +9,9 @@ lm-evaluation-harness scores a ``multiple_choice`` task:
   item says otherwise, lm-eval's ``target_delimiter``); trailing whitespace of the context moves
   to the front of the continuation; ``context + continuation`` is tokenized as a whole and split
   at the length of the tokenized context (lm-eval's ``_encode_pair``). The context starts with
-  the tokenizer's BOS token when it has one, as training documents do (else, only for an empty
-  context, its EOS token). A sequence longer than the model's ``max_seq_len`` keeps its last
+  the tokenizer's BOS token when it has one, as training documents do and as the exported
+  tokenizer adds it for lm-eval (an empty context is that token alone, or EOS without BOS, as
+  lm-eval conditions it). A sequence longer than the model's ``max_seq_len`` keeps its last
   tokens (lm-eval truncates on the left too).
 * ``acc``: the choice of highest log-likelihood is the gold one; ``acc_norm``: the same with each
   log-likelihood divided by its choice's length in characters (``len(choice)``, without the
@@ -56,6 +57,7 @@ __all__ = [
     "Task",
     "encode_pair",
     "encode_tasks",
+    "loglikelihoods",
     "read_task",
     "score",
     "wilson_interval",
@@ -168,15 +170,23 @@ def read_task(path: str) -> Task:
 def encode_pair(
     tokenizer: TextTokenizer, context: str, continuation: str
 ) -> tuple[list[int], list[int]]:
-    """The context's tokens and the continuation's, split as lm-eval's ``_encode_pair`` does:
-    the context's trailing whitespace joins the continuation, ``context + continuation`` is
-    tokenized whole and cut at the length of the tokenized context."""
+    """The context's tokens and the continuation's, split as lm-eval's ``loglikelihood`` splits
+    them with a Hugging Face tokenizer that adds BOS (plugtrain's export): an empty context is
+    the BOS token alone (EOS without BOS; a continuation that starts with that token gives it
+    up); otherwise the context's trailing whitespace joins the continuation, ``context +
+    continuation`` is tokenized whole after BOS (none when the text starts with BOS's own text)
+    and cut at the length of the tokenized context (lm-eval's ``_encode_pair``)."""
+    if not context:
+        first = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
+        ids = tokenizer.encode(continuation)
+        return ([first], ids) if ids[:1] != [first] else (ids[:1], ids[1:])
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
-    prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    bos = tokenizer.bos_id
+    prefix = [] if bos is None or context.startswith(tokenizer.decode([bos])) else [bos]
     if not prefix and not context:
-        prefix = [tokenizer.eos_id]  # lm-eval's prefix token for an empty context
+        prefix = [tokenizer.eos_id]  # a context of spaces: a token for the first to follow
     context_ids = prefix + tokenizer.encode(context)
     whole = prefix + tokenizer.encode(context + continuation)
     return context_ids, whole[len(context_ids) :]
@@ -313,6 +323,38 @@ def _loglikelihoods(
     return out
 
 
+def _scoring(
+    model: nn.Module,
+    encoded: EncodedTasks,
+    rows: Sequence[int],
+    batch_size: int,
+    forwards: int,
+) -> torch.Tensor:
+    """:func:`_loglikelihoods` of ``rows`` in eval mode, eagerly, resharded after."""
+    lengths = [len(row) for row in encoded.rows]
+    batches = _batches(rows, lengths, batch_size)
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        # Compiled blocks (the compile plugin) run eagerly: each padded width would be a new
+        # graph.
+        with torch.compiler.set_stance("force_eager"):
+            return _loglikelihoods(model, encoded, rows, batches, forwards, device)
+    finally:
+        model.train(training)
+        reshard(model)
+
+
+def loglikelihoods(model: nn.Module, encoded: EncodedTasks, *, batch_size: int = 32) -> list[float]:
+    """Each row's continuation log-likelihood (``encoded.row_item`` and ``row_choice`` say whose),
+    on this process alone: the numbers :func:`score` compares, to check them against another
+    scorer (lm-eval's ``--log_samples``)."""
+    rows = range(len(encoded.rows))
+    forwards = math.ceil(len(rows) / batch_size)
+    return _scoring(model, encoded, rows, batch_size, forwards).tolist()
+
+
 def score(
     model: nn.Module,
     encoded: EncodedTasks,
@@ -330,24 +372,13 @@ def score(
     counts on the host; no random number is drawn.
     """
     device = next(model.parameters()).device
-    lengths = [len(row) for row in encoded.rows]
     mine = [r for r in range(len(encoded.rows)) if encoded.row_item[r] % world_size == rank]
-    batches = _batches(mine, lengths, batch_size)
     # Every rank knows every rank's rows: the number of forwards needs no collective.
     per_rank = [
         sum(1 for item in encoded.row_item if item % world_size == k) for k in range(world_size)
     ]
     forwards = max(math.ceil(n / batch_size) for n in per_rank)
-    training = model.training
-    model.eval()
-    try:
-        # Compiled blocks (the compile plugin) run eagerly: each padded width would be a new
-        # graph.
-        with torch.compiler.set_stance("force_eager"):
-            lls = _loglikelihoods(model, encoded, mine, batches, forwards, device)
-    finally:
-        model.train(training)
-        reshard(model)
+    lls = _scoring(model, encoded, mine, batch_size, forwards)
     counts = torch.zeros(len(encoded.names), 3, dtype=torch.long, device=device)
     items = sorted({encoded.row_item[r] for r in mine})
     if items:

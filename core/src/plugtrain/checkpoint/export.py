@@ -3,9 +3,14 @@
 The folder holds ``model.safetensors`` (or shards and ``model.safetensors.index.json``),
 ``config.json``, ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``:
 ``transformers.LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it
-with no other file. :func:`export_checkpoint` reads a DCP checkpoint key by key (``plugtrain
-export-hf``); :func:`write_hf_folder` takes any source of full tensors (the ``hf_export``
-plugin gathers them from a sharded model).
+with no other file. The exported tokenizer puts ``<|begin_of_text|>`` before a text, as Llama 3's
+does and as plugtrain lays out its training documents, prompts and scored contexts: with its
+default ``add_special_tokens``, ``AutoTokenizer(...)(text)`` gives the ids the model was trained
+and is scored on (``add_bos_token=False`` turns it off).
+
+:func:`export_checkpoint` reads a DCP checkpoint key by key (``plugtrain export-hf``);
+:func:`write_hf_folder` takes any source of full tensors (the ``hf_export`` plugin gathers them
+from a sharded model).
 
 The safetensors files are written by hand rather than with ``safetensors.torch.save_file``,
 which needs every tensor of a file in memory at once. The format is a little-endian u64 header
@@ -151,11 +156,43 @@ def _shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _tokenizer_files(tokenizer_path: Path, args: ModelArgs) -> tuple[dict, dict, dict]:
-    """tokenizer_config.json, generation_config.json and the special token ids, from the
-    tokenizer.json the run trained with."""
+def _bos_processor(spec: dict[str, Any], bos_id: int | None) -> dict[str, Any] | None:
+    """The post-processor of an exported tokenizer.json whose own is ``spec["post_processor"]``:
+    ``<|begin_of_text|>`` first (when the tokenizer has it) and no other special token, as the
+    data pipeline places them (its EOS ends a training document, not a prompt). A ``ByteLevel``
+    step is kept: it changes offsets only."""
+    own = spec.get("post_processor") or {}
+    steps = own.get("processors", []) if own.get("type") == "Sequence" else [own]
+    kept = [step for step in steps if step.get("type") == "ByteLevel"]
+    if bos_id is not None:
+        bos = {"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}
+        kept.append(
+            {
+                "type": "TemplateProcessing",
+                "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [
+                    bos,
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    {"SpecialToken": {"id": BOS_TOKEN, "type_id": 1}},
+                    {"Sequence": {"id": "B", "type_id": 1}},
+                ],
+                "special_tokens": {
+                    BOS_TOKEN: {"id": BOS_TOKEN, "ids": [bos_id], "tokens": [BOS_TOKEN]}
+                },
+            }
+        )
+    if len(kept) > 1:
+        return {"type": "Sequence", "processors": kept}
+    return kept[0] if kept else None
+
+
+def _tokenizer_files(tokenizer_path: Path, args: ModelArgs) -> tuple[dict, dict, dict, dict]:
+    """tokenizer.json, tokenizer_config.json, generation_config.json and the special token ids,
+    from the tokenizer.json the run trained with."""
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    padding = json.loads(tokenizer_path.read_text()).get("padding") or {}
+    spec = json.loads(tokenizer_path.read_text(encoding="utf-8"))
+    spec["post_processor"] = _bos_processor(spec, tokenizer.bos_id)
+    padding = spec.get("padding") or {}
     tokens = {
         "bos": (BOS_TOKEN, tokenizer.bos_id) if tokenizer.bos_id is not None else (None, None),
         "eos": (EOS_TOKEN, tokenizer.eos_id),
@@ -164,12 +201,14 @@ def _tokenizer_files(tokenizer_path: Path, args: ModelArgs) -> tuple[dict, dict,
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **{f"{kind}_token": token for kind, (token, _) in tokens.items() if token is not None},
+        "add_bos_token": tokenizer.bos_id is not None,
+        "add_eos_token": False,
         "model_max_length": args.max_seq_len,
         "clean_up_tokenization_spaces": False,
     }
     ids = {f"{kind}_token_id": token_id for kind, (_, token_id) in tokens.items()}
     generation_config = {k: v for k, v in ids.items() if v is not None}
-    return tokenizer_config, generation_config, ids
+    return spec, tokenizer_config, generation_config, ids
 
 
 def write_hf_folder(
@@ -197,7 +236,9 @@ def write_hf_folder(
     if dtype not in _SAFETENSORS_DTYPES:
         raise UserError(f"cannot export in {dtype}: choose float32, bfloat16 or float16")
     tokenizer_path = Path(tokenizer_path)
-    tokenizer_config, generation_config, ids = _tokenizer_files(tokenizer_path, args)
+    tokenizer_json, tokenizer_config, generation_config, ids = _tokenizer_files(
+        tokenizer_path, args
+    )
     shapes = parameter_shapes(args)
     hf_names = {name: to_hf(name, torch.empty(0), args, permute=False)[0] for name in shapes}
     hf_shapes = {hf_names[name]: shape for name, shape in shapes.items()}
@@ -242,8 +283,7 @@ def write_hf_folder(
         )
         _write_json(partial / "generation_config.json", generation_config)
         _write_json(partial / "tokenizer_config.json", tokenizer_config)
-        with open(partial / "tokenizer.json", "wb") as f:
-            _write(f, tokenizer_path.read_bytes())
+        _write_json(partial / "tokenizer.json", tokenizer_json)
         if out.exists():
             doomed = out.with_name(out.name + ".deleting")
             out.rename(doomed)
@@ -262,5 +302,5 @@ def write_hf_folder(
 
 
 def _write_json(path: Path, value: Any) -> None:
-    with open(path, "w") as f:
-        _write(f, json.dumps(value, indent=2) + "\n")
+    with open(path, "w", encoding="utf-8") as f:
+        _write(f, json.dumps(value, indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,118 @@
+"""An export scored by lm-evaluation-harness (``--model hf``) gives ``plugtrain eval``'s numbers.
+
+The real harness runs offline on a local JSONL task built from the shipped cloze, plus items
+that take lm-eval's other paths (an empty context, one that starts with BOS's text): per-choice
+log-likelihoods agree within 1e-4 and acc / acc_norm are the same, whether lm-eval is told
+``add_bos_token=True`` or left to the exported tokenizer's default.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from plugtrain.cli import main
+from plugtrain.evaluation import encode_tasks, loglikelihoods, read_task
+from plugtrain.generate import load
+from plugtrain.testing import SAMPLE, tiny_run
+
+pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")  # lm-eval's --model hf needs it
+
+TASK = "plugtrain_cloze"
+DELIMITER = "\n"
+"""The shipped cloze's delimiter (every item's): lm-eval's ``target_delimiter`` is per task."""
+TASK_YAML = """\
+task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: gold
+target_delimiter: {delimiter}
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def items() -> list[dict]:
+    shipped = [json.loads(line) for line in (SAMPLE / "cloze.jsonl").read_text().splitlines()]
+    assert {item["delimiter"] for item in shipped} == {DELIMITER}
+    return [
+        *shipped[:6],
+        {"context": "", "choices": ["The king", "A fool"], "gold": 0},
+        {
+            "context": "<|begin_of_text|>What say you? ",
+            "choices": ["Nothing", "My lord"],
+            "gold": 1,
+        },
+    ]
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory) -> dict:
+    """One export of a tiny trained run, scored by plugtrain and by lm-eval (twice)."""
+    tmp = tmp_path_factory.mktemp("lm_eval")
+    tiny_run(tmp / "run", "--checkpoint.enable", "true", steps=2)
+    export = tmp / "hf"
+    assert main(["export-hf", str(tmp / "run"), "-o", str(export), "--dtype", "float32"]) == 0
+    task = tmp / "task"
+    task.mkdir()
+    path = task / "items.jsonl"
+    path.write_text("".join(json.dumps({**i, "delimiter": DELIMITER}) + "\n" for i in items()))
+    (task / "task.yaml").write_text(
+        TASK_YAML.format(task=TASK, items=path, delimiter=json.dumps(DELIMITER))
+    )
+
+    assert main(["eval", str(export), "--tasks", str(path), "-o", str(tmp / "eval.json")]) == 0
+    ours = json.loads((tmp / "eval.json").read_text())["tasks"]["items"]
+    model, tokenizer = load(export, torch.device("cpu"))
+    encoded = encode_tasks([read_task(str(path))], tokenizer, model.args.max_seq_len)
+    per_item: list[list[float]] = [[] for _ in range(encoded.num_items)]
+    for item, ll in zip(encoded.row_item, loglikelihoods(model, encoded), strict=True):
+        per_item[item].append(ll)
+
+    theirs = {}
+    with pytest.MonkeyPatch.context() as env:
+        # Offline, with the datasets cache in the test's folder: read when datasets is imported.
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("HF_DATASETS_OFFLINE", "1")
+        env.setenv("HF_DATASETS_CACHE", str(tmp / "datasets"))
+        env.setenv("TOKENIZERS_PARALLELISM", "false")
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        for bos in ("", ",add_bos_token=True"):
+            result = lm_eval.simple_evaluate(
+                model="hf",
+                model_args=f"pretrained={export},dtype=float32{bos}",
+                tasks=[TASK],
+                task_manager=TaskManager(include_path=str(task)),
+                device="cpu",
+                batch_size=8,
+                log_samples=True,
+            )
+            samples = sorted(result["samples"][TASK], key=lambda s: s["doc_id"])
+            theirs[bos] = {
+                "acc": result["results"][TASK]["acc,none"],
+                "acc_norm": result["results"][TASK]["acc_norm,none"],
+                "loglikelihoods": [[ll for ll, _ in s["filtered_resps"]] for s in samples],
+            }
+    return {"export": export, "ours": ours, "per_item": per_item, "theirs": theirs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bos", ["", ",add_bos_token=True"], ids=["default", "add_bos_token"])
+def test_lm_eval_scores_the_export_as_plugtrain_eval_does(scored, bos):
+    theirs, ours = scored["theirs"][bos], scored["ours"]
+    assert len(theirs["loglikelihoods"]) == len(items())
+    for want, got in zip(scored["per_item"], theirs["loglikelihoods"], strict=True):
+        assert got == pytest.approx(want, abs=1e-4, rel=0)
+    assert (theirs["acc"], theirs["acc_norm"]) == (ours["acc"], ours["acc_norm"])
