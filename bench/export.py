@@ -51,7 +51,7 @@ mode, checkpoint, out, shape = sys.argv[1:5]
 FLAVORS["bench300M"] = ModelArgs(**json.loads(shape))
 start = time.perf_counter()
 if mode == "stream":
-    export_checkpoint(checkpoint, out)
+    export_checkpoint(checkpoint, out, dtype=torch.bfloat16)
 elif mode == "hold":
     import pathlib
     config = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())

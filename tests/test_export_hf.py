@@ -128,7 +128,7 @@ def test_a_tokenizer_without_bos_exports_without_one(tmp_path):
     args = dataclasses.replace(FLAVORS["tiny"], vocab_size=ours.vocab_size, max_seq_len=16)
     shapes = parameter_shapes(args)
     zeros = lambda name: torch.zeros(shapes[name])  # noqa: E731 (the weights do not matter)
-    out = write_hf_folder(tmp_path / "hf", args, zeros, tokenizer_path=path)
+    out = write_hf_folder(tmp_path / "hf", args, zeros, tokenizer_path=path, dtype=torch.float32)
     text = sample_text()
     assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ours.encode(text)
     assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
@@ -142,9 +142,18 @@ def test_export_without_the_qk_permutation_fails_the_logit_check(run, fp32, monk
     assert max_logit_error(find_checkpoint(run), out) > 1e-5
 
 
-def test_bf16_export_casts_every_tensor_and_says_so(run, fp32):
+def test_the_default_export_keeps_the_checkpoints_float32_and_says_so(run, fp32, capsys):
+    out = run.parent / "default"
+    assert main(["export-hf", str(run), "-o", str(out)]) == 0
+    assert capsys.readouterr().out.endswith(" in float32 (the checkpoint's)\n")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    assert (out / "model.safetensors").read_bytes() == (fp32 / "model.safetensors").read_bytes()
+
+
+def test_bf16_export_casts_every_tensor_and_says_so(run, fp32, capsys):
     out = run.parent / "bf16"
-    assert main(["export-hf", str(run), "-o", str(out)]) == 0  # bfloat16 is the default
+    assert main(["export-hf", str(run), "-o", str(out), "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out.endswith(" in bfloat16\n")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     exported, reference = tensors(out), tensors(fp32)
     assert exported.keys() == reference.keys()

@@ -5,7 +5,7 @@
   plugtrain plot RUN_DIR [RUN_DIR ...] [-o metrics.png]        # draw and compare runs
   plugtrain prepare-data INPUT [INPUT ...] -o OUT --tokenizer FILE  # tokenize a corpus once
   plugtrain estimate CONFIG [--gpus N] [--section.key VALUE ...]  # memory each GPU needs
-  plugtrain export-hf PATH -o OUT [--dtype bfloat16] [--weights model|ema]  # Hugging Face folder
+  plugtrain export-hf PATH -o OUT [--dtype auto] [--weights model|ema]  # Hugging Face folder
   plugtrain generate PATH --prompt TEXT                        # what a saved model writes
   plugtrain eval PATH --tasks FILE [FILE ...] [-o scores.json]  # downstream tasks' accuracy
 
@@ -115,16 +115,18 @@ def export_hf(args: argparse.Namespace) -> int:
 
     from plugtrain.checkpoint import export_checkpoint, parse_size
 
-    folder = export_checkpoint(
+    folder, dtype = export_checkpoint(
         args.path,
         args.output,
-        dtype=getattr(torch, args.dtype),
+        dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
         weights=args.weights,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
         tokenizer=args.tokenizer,
     )
-    print(f"wrote {args.output}: the {args.weights} weights of {folder} in {args.dtype}")
+    kept = " (the checkpoint's)" if args.dtype == "auto" else ""
+    name = str(dtype).removeprefix("torch.")
+    print(f"wrote {args.output}: the {args.weights} weights of {folder} in {name}{kept}")
     return 0
 
 
@@ -281,8 +283,9 @@ def command(argv: list[str]) -> int:
     export.add_argument("path", metavar="PATH", help="a run's dump folder or a step-N folder")
     export.add_argument("-o", "--output", required=True, help="the folder to write")
     export.add_argument(
-        "--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-        help="dtype of every floating tensor (default: bfloat16)",
+        "--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+        help="dtype of every floating tensor (default: auto, the checkpoint's, float32 for a "
+        "run's weights)",
     )  # fmt: skip
     export.add_argument(
         "--weights", default="model", choices=("model", "ema"),

@@ -142,7 +142,7 @@ class HfExporter(Protocol):
         checkpoint: Path,
         out: Path,
         *,
-        dtype: torch.dtype = ...,
+        dtype: torch.dtype | None = ...,
         weights: str = ...,
         max_shard_size: int = ...,
         overwrite: bool = ...,
@@ -150,9 +150,9 @@ class HfExporter(Protocol):
         """Write complete checkpoint folder ``checkpoint`` as the Hugging Face Llama folder
         ``out``, as ``plugtrain export-hf`` does (the same bytes): ``weights`` is ``"model"``
         or ``"ema"`` (the ema plugin's average), every floating tensor is cast to ``dtype``
-        (default bfloat16), files above ``max_shard_size`` bytes (default 5e9) are split.
-        Reads one tensor at a time in this process, with no collective: call it on one rank.
-        Bad input raises a one-line ``UserError``."""
+        (default None: kept in the checkpoint's, float32), files above ``max_shard_size``
+        bytes (default 5e9) are split. Reads one tensor at a time in this process, with no
+        collective: call it on one rank. Bad input raises a one-line ``UserError``."""
 
 
 @dataclass(eq=False)

@@ -61,19 +61,23 @@ def export_checkpoint(
     path: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     weights: str = "model",
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
     tokenizer: str | os.PathLike[str] | None = None,
-) -> Path:
+) -> tuple[Path, torch.dtype]:
     """Write checkpoint ``path`` (a dump folder or a ``step-N/`` folder, see
     :func:`~plugtrain.checkpoint.saved.open_checkpoint`) as a Hugging Face folder ``out``,
-    reading one tensor at a time; returns the checkpoint folder exported. ``tokenizer`` replaces
-    the tokenizer.json the run's config names (a relative path the run read from elsewhere)."""
+    reading one tensor at a time; returns the checkpoint folder exported and the dtype written.
+    ``dtype`` None keeps the dtype the checkpoint stores the weights in (float32 for a run's:
+    the export computes what the checkpoint does). ``tokenizer`` replaces the tokenizer.json
+    the run's config names (a relative path the run read from elsewhere)."""
     saved = open_checkpoint(path, tokenizer)
     folder, args, prefix = saved.folder, saved.args, WEIGHTS[weights]
     stored = saved.tensors(weights)
+    if dtype is None:  # the widest the checkpoint holds, should its tensors differ
+        dtype = max({md.properties.dtype for md in stored.values()}, key=lambda d: d.itemsize)
     shapes = parameter_shapes(args)
     for name, md in stored.items():
         if name not in shapes:
@@ -118,7 +122,7 @@ def export_checkpoint(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
     )
-    return folder
+    return folder, dtype
 
 
 def _write(f: Any, data: Any) -> None:
@@ -217,7 +221,7 @@ def write_hf_folder(
     load: Callable[[str], torch.Tensor],
     *,
     tokenizer_path: str | os.PathLike[str],
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype,
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
 ) -> Path:

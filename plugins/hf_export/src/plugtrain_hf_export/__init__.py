@@ -30,8 +30,9 @@ class HfExportConfig:
 
     every: Literal["checkpoint", "last"] = "checkpoint"
     """Export every checkpoint, or only the one at the run's last step (``training.steps``)."""
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    """Dtype of every floating tensor in the export (``config.json`` says the same)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype of every floating tensor in the export (``config.json`` says the same); ``auto``:
+    the checkpoint's, float32."""
     weights: Literal["model", "ema"] = "model"
     """The trained weights, or the ``ema`` plugin's average (the run must enable it)."""
     max_shard_size: int = 5 * 10**9
@@ -73,7 +74,7 @@ class HfExport:
         self.export(
             folder,
             out,
-            dtype=getattr(torch, self.config.dtype),
+            dtype=None if self.config.dtype == "auto" else getattr(torch, self.config.dtype),
             weights=self.config.weights,
             max_shard_size=self.config.max_shard_size,
             overwrite=True,  # a checkpoint is never rewritten: an hf/ there is this one's
