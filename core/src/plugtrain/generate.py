@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from plugtrain import sample
 from plugtrain.checkpoint import WEIGHTS, open_checkpoint, read_checkpoint
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, UserError, one_line
@@ -93,7 +94,7 @@ def from_hf_folder(path: Path, tokenizer_path: str | None = None) -> Loaded:
         raise CheckpointError(
             f"Hugging Face folder '{path}' is damaged: {one_line(e)}; export it again"
         ) from e
-    tokenizer = Path(tokenizer_path or path / "tokenizer.json")
+    tokenizer = sample.resolve(tokenizer_path or path / "tokenizer.json")
     if not tokenizer.is_file():
         raise CheckpointError(
             f"Hugging Face folder '{path}' has no tokenizer.json: pass --tokenizer FILE"

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
+from plugtrain import sample
 from plugtrain.errors import DataError, MissingFileError, require_extra
 
 SUFFIXES = (
@@ -46,7 +47,7 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
     file of an unknown type is a one-line error.
     """
     files: list[Path] = []
-    for item in inputs:
+    for item in map(str, map(sample.resolve, inputs)):
         matches = sorted(glob.glob(item, recursive=True)) if glob.has_magic(item) else [item]
         if not matches or not all(os.path.exists(m) for m in matches):
             raise MissingFileError(

@@ -12,7 +12,6 @@ import json
 import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 import tokenizers
 from tokenizers import pre_tokenizers
@@ -52,8 +51,9 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load a tokenizer.json; raise FileNotFoundError or ValueError naming the path."""
-        path = Path(path)
+        """Load a tokenizer.json (``sample:tokenizer.json``: the shipped sample's, see
+        :func:`plugtrain.sample.resolve`); raise FileNotFoundError or ValueError naming it."""
+        path = sample.resolve(path)
         if not path.is_file():
             raise MissingFileError(f"tokenizer file '{path}' not found: {_fix()}")
         try:

@@ -9,8 +9,8 @@ plugin's section) and refuses what a run would refuse; the formulas are in
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
+from plugtrain import sample
 from plugtrain.config import JobConfig
 from plugtrain.data import Tokenizer
 from plugtrain.distributed import mesh_shape
@@ -60,7 +60,7 @@ def estimate_run(
             f"training.batch_size to a multiple of {parts} or change grad_accum_steps"
         )
     whose = ""
-    if vocab_size is None and Path(config.model.tokenizer_path).is_file():
+    if vocab_size is None and sample.resolve(config.model.tokenizer_path).is_file():
         vocab_size = Tokenizer.from_file(config.model.tokenizer_path).vocab_size
     if vocab_size is None and config.model.flavor != "hf":
         whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
