@@ -1,8 +1,10 @@
-"""plugtrain as a user installs it: a wheel (not editable) that trains in an empty folder."""
+"""plugtrain as a user installs it, by README's commands: a wheel that trains in an empty folder."""
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import site
 import subprocess
@@ -37,24 +39,37 @@ def venv_seeing_only_the_dependencies(venv: Path, deps: Path) -> Path:
     return python
 
 
+def user_install(repo: Path, readme_command) -> list[list[str]]:
+    """README's user install (its ``<!-- user install -->`` block), one argv per command: the
+    pinned torch first, then the core and plugins, which keep it."""
+    block = readme_command(repo, "user install")
+    commands = [argv for line in block.splitlines() if (argv := shlex.split(line, comments=True))]
+    (pin,) = re.findall(r"^torch==(\S+)$", (repo / "requirements-dev.txt").read_text(), re.M)
+    assert commands[0] == ["python", "-m", "pip", "install", f"torch=={pin}"], block
+    for argv in commands:
+        assert argv[:4] == ["python", "-m", "pip", "install"], block
+    return commands
+
+
 @pytest.mark.slow
-def test_a_wheel_install_trains_the_debug_model_in_an_empty_folder(tmp_path):
+def test_the_readme_user_install_trains_the_debug_model_in_an_empty_folder(
+    tmp_path, repo, readme_command
+):
+    commands = user_install(repo, readme_command)
     # Built from a copy: an in-place build would leave build/ and *.egg-info in the checkout.
     source = tmp_path / "source"
-    for part in ("core", "configs", "plugins/grad_clip", "plugins/downstream_eval"):
+    folders = [arg for argv in commands for arg in argv if arg.startswith("./")]
+    for part in ("configs", *folders):
         ignore = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
         shutil.copytree(REPO / part, source / part, symlinks=True, ignore=ignore)
     python = venv_seeing_only_the_dependencies(tmp_path / "venv", tmp_path / "deps")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONNOUSERSITE="1", PLUGTRAIN_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    install = [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
-    plugins = [source / "plugins" / name for name in ("grad_clip", "downstream_eval")]
-    subprocess.run(
-        [*install, "--no-build-isolation", source / "core", *plugins],
-        check=True,
-        env=env,
-        cwd=tmp_path,
-    )
+    # README's commands as written, offline: every requirement must be met by the dependencies
+    # already installed (the pinned torch among them), so none is downloaded or replaced.
+    offline = ["--no-index", "--no-build-isolation", "-q"]
+    for argv in commands:
+        subprocess.run([python, *argv[1:], *offline], check=True, env=env, cwd=source)
     shutil.rmtree(source)  # nothing of the repository is left to find
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -69,11 +84,12 @@ def test_a_wheel_install_trains_the_debug_model_in_an_empty_folder(tmp_path):
     assert any("validation_loss" in r for r in records)
     assert "plugins: grad_clip (plugtrain-grad-clip 0.1.0), downstream_eval (" in result.stderr
     assert any("downstream_eval/cloze/acc" in r for r in records)  # the sample's task, shipped
-    where = subprocess.run(
-        [python, "-c", "import plugtrain; print(plugtrain.__file__)"],
+    where, torch_version = subprocess.run(
+        [python, "-c", "import plugtrain, torch; print(plugtrain.__file__, torch.__version__)"],
         env=env,
         cwd=empty,
         capture_output=True,
         text=True,
-    ).stdout
+    ).stdout.split()
     assert where.startswith(str(tmp_path / "venv")), where
+    assert ["torch==" + torch_version.split("+")[0]] == commands[0][4:]  # the first command's
