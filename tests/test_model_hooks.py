@@ -20,7 +20,7 @@ class Wrapper:
     def wrap_model(self, ctx: ModelContext) -> None:
         self.log.append(("wrap", ctx.model.output.weight.device.type, len(ctx.blocks)))
         for block in ctx.blocks:
-            wrap_forward(block, lambda forward: lambda *a: forward(*a) * 2 / 2)
+            wrap_forward(block, lambda forward: lambda *a, **kw: forward(*a, **kw) * 2 / 2)
 
 
 class Compiler:
@@ -36,9 +36,9 @@ class Compiler:
         self.log.append(("compile", wrapped, ctx.device.type, ctx.param_dtype, ctx.world_size))
 
         def count(forward):
-            def counted(*args):
+            def counted(*args, **kwargs):
                 self.calls += 1
-                return forward(*args)
+                return forward(*args, **kwargs)
 
             return counted
 

@@ -80,6 +80,9 @@ class ModelArgs:
     model then has no ``output`` module and one tensor serves both ends."""
     rope_scaling: RopeScaling | None = None
     """Llama 3.1's RoPE frequency scaling, or None for plain RoPE."""
+    attention: str = "sdpa"
+    """How attention is computed: a name in ``model.attention.VARIANTS`` (``"sdpa"``: causal
+    ``F.scaled_dot_product_attention``)."""
 
     def __post_init__(self) -> None:
         for name in (

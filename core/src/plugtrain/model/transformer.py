@@ -1,10 +1,14 @@
 """A Llama-style decoder-only transformer: the model every plugtrain run trains.
 
 The architecture is Llama 3's: pre-norm RMSNorm blocks, rotary position embeddings (RoPE),
-grouped-query attention through ``F.scaled_dot_product_attention``, a SwiGLU feed-forward
-network and an output projection, untied unless ``ModelArgs.tie_embeddings``. Parameter
-names follow Meta's reference code and torchtitan (``tok_embeddings``,
-``layers.N.attention.wq``, ``feed_forward.w1``, ...).
+grouped-query attention (computed in ``model.attention``, the variant ``ModelArgs.attention``
+names), a SwiGLU feed-forward network and an output projection, untied unless
+``ModelArgs.tie_embeddings``. Parameter names follow Meta's reference code and torchtitan
+(``tok_embeddings``, ``layers.N.attention.wq``, ``feed_forward.w1``, ...), and every
+projection is its own ``nn.Linear`` (no fused QKV or gate/up matrix), so that a tensor-parallel
+plan addresses each by name (``parallelize_module``: ``wq``/``wk``/``wv``/``w1``/``w3``
+column-wise, ``wo``/``w2`` row-wise) and the forwards run unchanged on the shards: they read
+the number of heads from the projected tensors, not from ``ModelArgs``.
 
 The trainer builds the model on the meta device, applies FSDP2 ``fully_shard`` to every
 ``TransformerBlock`` in ``Transformer.layers`` and to the root, materialises the shards with
@@ -25,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from plugtrain.model.args import FLAVORS, ModelArgs, RopeScaling
+from plugtrain.model.attention import attention_variant
 
 __all__ = [
     "FLAVORS",
@@ -179,65 +184,45 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE and grouped-query attention, without biases."""
+    """Causal self-attention with RoPE and grouped-query attention, without biases.
+
+    The projections are here; the attention itself is ``model.attention``'s variant.
+    """
 
     def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         self.layer_id = layer_id
+        # The model's head counts; under tensor parallelism a rank holds a share of them,
+        # which forward reads from the projections' outputs.
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
+        self.attend = attention_variant(args.attention)
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``x`` [B, S, dim]; ``mask`` is the variant's for this forward (its ``mask``)."""
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        q = apply_rotary_emb(q, freqs_cis)
-        k = apply_rotary_emb(k, freqs_cis)
-        # SDPA wants [B, heads, S, head_dim]; enable_gqa lets each group of
-        # n_heads // n_kv_heads query heads share one key/value head without materialising
-        # repeated copies.
-        if cache is None:
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=True,
-                enable_gqa=self.n_kv_heads != self.n_heads,
-            )
-        else:
-            out = self._attend_cached(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache
-            )
+        # -1 heads: a column-wise shard of wq, wk, wv holds this rank's heads only.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q = apply_rotary_emb(q, freqs_cis).transpose(1, 2)  # [B, heads, S, head_dim]
+        k = apply_rotary_emb(k, freqs_cis).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.store(self.layer_id, k, v)
+        out = self.attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
-
-    def _attend_cached(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
-        """Attention of the new queries ``[B, heads, S, head_dim]`` (positions ``cache.length``
-        onwards) over the cached keys and values and the new ones."""
-        start, seq = cache.length, q.shape[2]
-        keys, values = cache.store(self.layer_id, k, v)
-        mask = None
-        if seq > 1 and start > 0:
-            # Query i sits at position start + i and sees keys 0 .. start + i; SDPA's
-            # is_causal would align the diagonal at the top left, as if start were 0.
-            mask = torch.ones(seq, start + seq, dtype=torch.bool, device=q.device).tril(start)
-        return F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask,
-            is_causal=seq > 1 and start == 0,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
 
 
 class FeedForward(nn.Module):
@@ -269,9 +254,15 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        cache: KVCache | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, cache)
+        # The optional arguments by keyword: a tensor-parallel plan's PrepareModuleInput
+        # for the attention then lays out the two positional ones only.
+        h = x + self.attention(self.attention_norm(x), freqs_cis, cache=cache, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:
@@ -302,7 +293,8 @@ class Transformer(nn.Module):
     ``forward(tokens [B, S]) -> logits [B, S, vocab_size]`` in the activation dtype (the
     parameter dtype, or FSDP2's ``param_dtype``); compute the loss in float32. For inference,
     ``forward(tokens, cache)`` with a :class:`KVCache` takes ``tokens`` as the positions after
-    those the cache holds, and appends theirs (call it under ``torch.no_grad``).
+    those the cache holds, and appends theirs (call it under ``torch.no_grad``). Both build
+    the attention variant's mask once and hand it to every block.
 
     Build on any device (including meta) and then call ``init_weights(seed)``; the constructor's
     own initialisation is PyTorch's default and is not meant to be trained from.
@@ -311,6 +303,8 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        # The layers' attention variant, whose per-forward mask forward builds once.
+        self.attend = attention_variant(args.attention)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
@@ -347,13 +341,11 @@ class Transformer(nn.Module):
                 "MixedPrecisionPolicy instead of Module.to(dtype)"
             )
         freqs_cis = self.freqs_cis[start : start + seq_len]
+        mask = self.attend.mask(tokens, start)
         h = self.tok_embeddings(tokens)
-        if cache is None:
-            for layer in self.layers:
-                h = layer(h, freqs_cis)
-        else:
-            for layer in self.layers:
-                h = layer(h, freqs_cis, cache)
+        for layer in self.layers:
+            h = layer(h, freqs_cis, cache=cache, mask=mask)
+        if cache is not None:
             cache.length += seq_len
         h = self.norm(h)
         return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
