@@ -9,6 +9,7 @@ log-likelihoods agree within 1e-4 and acc / acc_norm are the same, whether lm-ev
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,22 +25,17 @@ pytest.importorskip("accelerate")  # lm-eval's --model hf needs it
 TASK = "plugtrain_cloze"
 DELIMITER = "\n"
 """The shipped cloze's delimiter (every item's): lm-eval's ``target_delimiter`` is per task."""
-TASK_YAML = """\
-task: {task}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {items}
-test_split: test
-output_type: multiple_choice
-doc_to_text: context
-doc_to_choice: choices
-doc_to_target: gold
-target_delimiter: {delimiter}
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "evaluation.md"
+
+
+def task_yaml(items: Path) -> str:
+    """docs/evaluation.md's lm-eval task for the shipped cloze, reading ``items`` instead: the
+    recipe the page gives is the one this test runs."""
+    text = DOCS.read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert f"task: {TASK}\n" in block and "    test: cloze.jsonl\n" in block
+    assert f"target_delimiter: {json.dumps(DELIMITER)}\n" in block
+    return block.replace("    test: cloze.jsonl\n", f"    test: {items}\n")
 
 
 def items() -> list[dict]:
@@ -67,9 +63,7 @@ def scored(tmp_path_factory) -> dict:
     task.mkdir()
     path = task / "items.jsonl"
     path.write_text("".join(json.dumps({**i, "delimiter": DELIMITER}) + "\n" for i in items()))
-    (task / "task.yaml").write_text(
-        TASK_YAML.format(task=TASK, items=path, delimiter=json.dumps(DELIMITER))
-    )
+    (task / "task.yaml").write_text(task_yaml(path))
 
     assert main(["eval", str(export), "--tasks", str(path), "-o", str(tmp / "eval.json")]) == 0
     ours = json.loads((tmp / "eval.json").read_text())["tasks"]["items"]
