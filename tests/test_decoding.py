@@ -133,3 +133,25 @@ def test_generation_runs_compiled_blocks_eagerly() -> None:
     model(tokens(batch=2, seq=16)).sum().backward()  # a training step's forward compiles them
     prompt = tokens(batch=1, seq=4)
     assert torch.equal(generate(model, prompt, 20), generate(reference, prompt, 20))
+
+
+def test_the_cache_does_one_forwards_arithmetic_and_the_cache_free_loop_far_more() -> None:
+    """With the cache each token's matmuls run once, so generating n tokens counts the FLOPs of
+    one forward of the prompt and n - 1 tokens (the last one is never fed back); without it
+    every step recomputes the whole prefix. bench/generate.py times the three."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = make_model()
+    prompt, n = tokens(batch=1, seq=8), 16
+    whole = torch.cat([prompt, torch.zeros(1, n - 1, dtype=torch.long)], dim=1)
+    flops = {}
+    for name, run in [
+        ("cached", lambda: generate(model, prompt, n)),
+        ("uncached", lambda: generate(model, prompt, n, use_cache=False)),
+        ("one_forward", lambda: model(whole)),
+    ]:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            run()
+        flops[name] = counter.get_total_flops()
+    assert flops["cached"] == pytest.approx(flops["one_forward"], rel=0.02)
+    assert flops["uncached"] > 5 * flops["cached"]
