@@ -1,4 +1,8 @@
-"""train.py as a user runs it: exit codes and one-line errors."""
+"""train.py as a user runs it: exit codes and one-line errors.
+
+One run starts the script itself; the others call what it runs (``plugtrain.cli.train``, whose
+status it exits with) in this process, which saves a Python and torch start-up each.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from plugtrain_grad_scaler import GradScalerConfig
 from plugtrain_hook_recorder import HookRecorderConfig
 
 from plugtrain import sample
+from plugtrain.cli import train
 from plugtrain.config import JobConfig
 from plugtrain.host.plugin_host import installed_plugins
 from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
@@ -27,10 +32,18 @@ def test_short_run_writes_metrics_and_exits_zero(tmp_path, train_py):
     assert "step     2 | loss" in result.stderr
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path, train_py):
-    result = run_script(train_py, [*tiny_args(tmp_path), "--training.stepz", "3"])
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+def as_train_py(argv: list[str], capsys) -> tuple[int, str, str]:
+    """What ``python train.py *argv`` does, in this process: its exit status, stdout, stderr."""
+    capsys.readouterr()
+    status = train(argv)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    status, _, err = as_train_py([*tiny_args(tmp_path), "--training.stepz", "3"], capsys)
+    assert status == 2
+    assert err.strip().splitlines() == [
         "plugtrain: error: unknown config key 'training.stepz' (did you mean 'steps'?); "
         "[training] has: batch_size, device, grad_accum_steps, mixed_precision_param, "
         "mixed_precision_reduce, seed, seq_len, steps"
@@ -38,24 +51,23 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, train_py):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_missing_data_file_is_one_line(tmp_path, train_py):
-    result = run_script(
-        train_py, [*tiny_args(tmp_path), "--data.train_path", str(tmp_path / "nope.jsonl")]
-    )
-    assert result.returncode == 2, result.stderr
-    (line,) = result.stderr.strip().splitlines()
+def test_missing_data_file_is_one_line(tmp_path, capsys):
+    args = [*tiny_args(tmp_path), "--data.train_path", str(tmp_path / "nope.jsonl")]
+    status, _, err = as_train_py(args, capsys)
+    assert status == 2, err
+    (line,) = err.strip().splitlines()
     assert "nope.jsonl" in line and "data.train_path" in line
 
 
-def test_a_validation_file_smaller_than_one_batch_stops_before_step_1(tmp_path, train_py):
+def test_a_validation_file_smaller_than_one_batch_stops_before_step_1(tmp_path, capsys):
     # 3 samples of seq_len 32, fewer than one batch of 4: found at start-up, not at step 50.
     text = json.loads(VALIDATION.read_text().splitlines()[0])["text"][:200]
     small = tmp_path / "small.jsonl"
     small.write_text(json.dumps({"text": text}) + "\n")
     args = ["--validation.interval", "50", "--data.validation_path", str(small)]
-    result = run_script(train_py, [*tiny_args(tmp_path / "run", steps=60), *args])
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
+    status, _, err = as_train_py([*tiny_args(tmp_path / "run", steps=60), *args], capsys)
+    assert status == 2, err
+    assert err.strip().splitlines() == [
         f"plugtrain: error: data.validation_path '{small}' has 3 samples of seq_len=32, fewer "
         "than one validation batch of training.batch_size=4: lower training.batch_size or "
         "training.seq_len, or use a larger validation file"
@@ -73,11 +85,14 @@ def test_a_training_file_too_small_names_itself(tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_missing_tokenizer_suggests_the_shipped_one_which_any_folder_finds(tmp_path, train_py):
+def test_missing_tokenizer_suggests_the_shipped_one_which_any_folder_finds(
+    tmp_path, capsys, monkeypatch
+):
     args = [*tiny_args(tmp_path), "--model.tokenizer_path", "nope.json"]
-    result = run_script(train_py, args, cwd=tmp_path)  # the repository is not under tmp_path
-    assert result.returncode == 2, result.stderr
-    (line,) = result.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)  # the repository is not under tmp_path
+    status, _, err = as_train_py(args, capsys)
+    assert status == 2, err
+    (line,) = err.strip().splitlines()
     assert line.endswith(
         "tokenizer file 'nope.json' not found: set model.tokenizer_path to a tokenizer.json "
         "(e.g. sample:tokenizer.json)"
@@ -85,21 +100,21 @@ def test_missing_tokenizer_suggests_the_shipped_one_which_any_folder_finds(tmp_p
     assert sample.resolve("sample:tokenizer.json").is_file()
 
 
-def test_help_lists_every_section_and_field(tmp_path, train_py):
+def test_help_lists_every_section_and_field(capsys):
     plugins = {
         "grad_clip": GradClipConfig,
         "grad_scaler": GradScalerConfig,
         "hook_recorder": HookRecorderConfig,
     }
-    result = run_script(train_py, ["--plugins.enabled", ",".join(plugins), "--help"])
-    assert result.returncode == 0, result.stderr
+    status, out, err = as_train_py(["--plugins.enabled", ",".join(plugins), "--help"], capsys)
+    assert status == 0, err
     sections = {
         f.name: f.default_factory
         for f in dataclasses.fields(JobConfig)
         if f.name != "plugin_sections"
     }
     assert len(sections) == 11
-    help_lines = result.stdout.splitlines()
+    help_lines = out.splitlines()
     for section, cls in {**sections, **plugins}.items():
         assert f"[{section}]" in help_lines, section
         for field in dataclasses.fields(cls):
@@ -109,9 +124,9 @@ def test_help_lists_every_section_and_field(tmp_path, train_py):
             assert len(documented) == 1, f"{section}.{field.name}"
 
 
-def test_help_names_every_installed_plugin_that_is_not_enabled(train_py):
-    result = run_script(train_py, ["--plugins.enabled", "grad_clip", "--help"])
-    assert result.returncode == 0, result.stderr
+def test_help_names_every_installed_plugin_that_is_not_enabled(capsys):
+    status, out, err = as_train_py(["--plugins.enabled", "grad_clip", "--help"], capsys)
+    assert status == 0, err
     others = ", ".join(sorted(set(installed_plugins()) - {"grad_clip"}))
-    assert f"Installed plugins that are not enabled: {others}." in " ".join(result.stdout.split())
-    assert "[grad_clip]" in result.stdout.splitlines()
+    assert f"Installed plugins that are not enabled: {others}." in " ".join(out.split())
+    assert "[grad_clip]" in out.splitlines()
