@@ -4,12 +4,19 @@ the rest."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+# Before anything imports torch, which reads it once: the suite's models are tiny, and several
+# intra-op threads per op cost more than they share (test_trainer.py: 80 s with torch's default
+# of 2 threads at load 5 on 2 cores, 22 s with 1). The plugins' tests, later in the session,
+# and every process a test starts inherit it; a value already set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ("check_commit_msg", "new_plugin", "stack_check")
