@@ -25,6 +25,13 @@ def value_test(value: str) -> str:
     """)
 
 
+@pytest.fixture
+def bare_pytest(monkeypatch):
+    """The stack check's pytest runs load no plugins from entry points: the scratch tests need
+    none, and importing them (plugtrain's imports torch) would cost seconds a run."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
 def runs(out: str) -> list[str]:
     """The subjects of the commits the stack check ran pytest for, in order."""
     return re.findall(r"\[\d+/\d+\] [0-9a-f]{10} '([^']*)': python -m pytest", out)
@@ -41,7 +48,9 @@ def test_messages_are_checked_before_any_commit_runs(scratch_repo, capsys):
 
 
 @pytest.mark.slow
-def test_each_commit_runs_alone_and_the_check_stops_at_the_first_failure(scratch_repo, capfd):
+def test_each_commit_runs_alone_and_the_check_stops_at_the_first_failure(
+    scratch_repo, capfd, bare_pytest
+):
     """Each commit is tested as it is, not as HEAD is; the third is never run; the temporary
     worktree is gone afterwards; a failure is not remembered."""
     repo = scratch_repo
@@ -59,7 +68,7 @@ def test_each_commit_runs_alone_and_the_check_stops_at_the_first_failure(scratch
 
 
 @pytest.mark.slow
-def test_passing_trees_are_remembered(scratch_repo, capfd):
+def test_passing_trees_are_remembered(scratch_repo, capfd, bare_pytest):
     """An unchanged stack is not re-run; amending the top commit re-runs only it; other
     pytest arguments run again; --no-cache runs everything."""
     repo = scratch_repo
