@@ -29,12 +29,15 @@ import stack_check
 OWNER = NAME = "plugtrain"
 SELECTION = ["-m", "not slow", "-q", "-x", "-p", "no:cacheprovider",
              "-k", "toy or (test_repository and not ruff)", "-o", "python_files=test_toy_*.py",
+             "-p", "plugtrain.testing.pytest_plugin",
              "tests/repository/test_repository.py", "plugins"]  # fmt: skip
 """The hook's pytest selection: the toy plugins' own tests and the repository's rules (every
 plugin folder is a distribution listed in requirements-dev.txt...). Not ruff: a lint error
 in the working tree being copied is test_repository's to report, not this test's. Explicit
 paths, and only the toy plugins' test files under plugins/: collecting the whole tree (torch,
-every plugin's tests) would cost each checked commit some 15 s for the same selection."""
+every plugin's tests) would cost each checked commit some 15 s for the same selection. The
+test turns pytest's plugin autoloading off: of the installed plugins (hypothesis, anyio...,
+seconds of imports) the selection needs only the kit's, named here."""
 
 GUARD = textwrap.dedent('''
     """Refuse network connections (Unix sockets only), in the test's process and, as the
@@ -222,7 +225,8 @@ def add_plugin(clone: Path, name: str) -> str:
 
 
 @pytest.mark.slow
-def test_stacks_are_checked_submitted_and_landed(repo, tmp_path, offline, capsys):
+def test_stacks_are_checked_submitted_and_landed(repo, tmp_path, offline, capsys, monkeypatch):
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # for the hook's pytest runs
     seed = tmp_path / "seed"
     copy_of_this_repository(repo, seed)
     git(seed, "init", "-q")
