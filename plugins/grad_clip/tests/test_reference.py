@@ -19,10 +19,15 @@ BATCH = ("--training.batch_size", "8")
 
 
 def train_and_gather(dump_folder: str, args: list[str], steps: int) -> dict[str, torch.Tensor]:
-    """Run on each rank: train a tiny run; return its full parameters, by name."""
+    """Train a tiny run on this rank; return its full parameters, by name."""
     trainer = make_trainer(dump_folder, *args, steps=steps)
     trainer.run()
     return {n: full_tensor(p.detach()).clone() for n, p in trainer.model.named_parameters()}
+
+
+def every_case(root: str, cases: dict[str, list[str]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Run on each rank: ``train_and_gather`` for each case, in ``root/<case id>``."""
+    return {case: train_and_gather(f"{root}/{case}", args, STEPS) for case, args in cases.items()}
 
 
 def reference_run(
@@ -49,22 +54,35 @@ def reference_run(
     return norms, {n: p.detach() for n, p in model.named_parameters()}
 
 
+CASES = {"l2": (2.0, 0.1, 1), "inf-accum2": (math.inf, 0.02, 2)}
+"""Each case's ``(norm_type, max_norm, grad_accum_steps)``."""
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory, clip_args) -> tuple[Path, list[dict]]:
+    """Every case on 2 FSDP2 ranks, in one session (a launch costs more than a case); the
+    root folder and each rank's parameters, by case."""
+    root = tmp_path_factory.mktemp("grad_clip")
+    cases = {
+        case: [
+            *BATCH, "--training.grad_accum_steps", str(accum),
+            *clip_args(max_norm, "--grad_clip.norm_type", str(norm_type)),
+        ]
+        for case, (norm_type, max_norm, accum) in CASES.items()
+    }  # fmt: skip
+    return root, run_distributed(every_case, 2, str(root), cases)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("norm_type", "max_norm", "accum"),
-    [(2.0, 0.1, 1), (math.inf, 0.02, 2)],
-    ids=["l2", "inf-accum2"],
-)
-def test_two_fsdp2_processes_match_clip_grad_norm(tmp_path, clip_args, norm_type, max_norm, accum):
-    args = [
-        *BATCH, "--training.grad_accum_steps", str(accum),
-        *clip_args(max_norm, "--grad_clip.norm_type", str(norm_type)),
-    ]  # fmt: skip
-    ranks = run_distributed(train_and_gather, 2, str(tmp_path / "run"), args, STEPS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_fsdp2_processes_match_clip_grad_norm(tmp_path, fsdp2_runs, case):
+    norm_type, max_norm, _ = CASES[case]
+    root, by_rank = fsdp2_runs
+    ranks = [by_case[case] for by_case in by_rank]
     ref_norms, ref_params = reference_run(tmp_path / "ref", max_norm, norm_type)
     _, unclipped = reference_run(tmp_path / "unclipped", None, norm_type)
 
-    records = read_metrics(tmp_path / "run")
+    records = read_metrics(root / case)
     assert [r["grad_clip/grad_norm"] for r in records] == pytest.approx(ref_norms, rel=1e-5)
     assert min(ref_norms) > max_norm  # every step clips...
     assert [r["grad_clip/clipped"] for r in records] == [1.0] * STEPS
