@@ -67,14 +67,31 @@ def test_each_validation_logs_a_text_per_prompt(tmp_path: Path) -> None:
     assert texts[2] != texts[4]  # the model changed between them, and so did what it writes
 
 
-def generate_cli(path: Path, prompt: str) -> str:
-    """What ``plugtrain generate`` prints for ``prompt``, as a user runs it."""
+GENERATE_ALL = """
+import contextlib, io, json, sys
+from plugtrain.cli import main
+printed = []
+for path, prompt in json.loads(sys.argv[1]):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = main(["generate", path, "--prompt", prompt, "--max-new-tokens", "12",
+                     "--device", "cpu"])
+    if code:
+        sys.exit(code)
+    printed.append(out.getvalue())
+print(json.dumps(printed))
+"""
+"""Runs ``plugtrain generate``'s command line for each ``(path, prompt)`` in one process (a
+process per call spent most of the test's time importing torch; plugins' tests may not import
+plugtrain.cli); prints what each printed, as a JSON list."""
+
+
+def generate_cli(calls: list[tuple[str, str]]) -> list[str]:
+    """What ``plugtrain generate`` prints for each ``(path, prompt)``."""
     out = subprocess.run(
-        [sys.executable, "-m", "plugtrain.cli", "generate", str(path), "--prompt", prompt,
-         "--max-new-tokens", "12", "--device", "cpu"],
+        [sys.executable, "-c", GENERATE_ALL, json.dumps(calls)],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    return out.stdout.removesuffix("\n")
+    return [text.removesuffix("\n") for text in json.loads(out.stdout)]
 
 
 @pytest.mark.slow
@@ -84,9 +101,12 @@ def test_the_logged_text_is_what_generate_writes_from_the_checkpoint(tmp_path: P
         steps=4,
     )  # fmt: skip
     texts = samples_of(run.metrics)
-    for step in (2, 4):
-        checkpoint = run.dump_folder / "checkpoints" / f"step-{step}"
-        assert [generate_cli(checkpoint, p) for p in PROMPTS] == texts[step], step
+    steps = (2, 4)
+    calls = [(str(run.dump_folder / "checkpoints" / f"step-{step}"), p)
+             for step in steps for p in PROMPTS]  # fmt: skip
+    written = generate_cli(calls)
+    for i, step in enumerate(steps):
+        assert written[i * len(PROMPTS) : (i + 1) * len(PROMPTS)] == texts[step], step
 
 
 class RankTexts(Samples):
