@@ -83,12 +83,14 @@ def scored(tmp_path_factory) -> dict:
         import lm_eval
         from lm_eval.tasks import TaskManager
 
+        # One index of lm-eval's task folders for both runs: building it takes seconds.
+        tasks = TaskManager(include_path=str(task))
         for bos in ("", ",add_bos_token=True"):
             result = lm_eval.simple_evaluate(
                 model="hf",
                 model_args=f"pretrained={export},dtype=float32{bos}",
                 tasks=[TASK],
-                task_manager=TaskManager(include_path=str(task)),
+                task_manager=tasks,
                 device="cpu",
                 batch_size=8,
                 log_samples=True,
