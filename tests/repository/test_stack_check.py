@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import stat
 import subprocess
 import textwrap
@@ -93,16 +92,12 @@ def test_passing_trees_are_remembered(scratch_repo, capfd, bare_pytest):
 
 @pytest.mark.slow
 def test_a_plugin_commit_importing_core_internals_fails_the_default_selection(
-    repo, git, tmp_path, capfd
+    repository_copy, git, tmp_path, capfd
 ):
     """The default selection is the whole fast suite for every commit, so the architecture
     test, which keeps plugins to the plugin API, runs on a commit that changes one plugin."""
     copy = tmp_path / "copy"
-    files = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
-    for name in filter(None, files.split("\0")):
-        if (repo / name).is_file():
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(repo / name, copy / name)
+    repository_copy(copy)  # every plugin: the core's tests import some
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "Import"]):
         git(copy, "-c", "user.name=T", "-c", "user.email=t@example.com", *args)
     leak = copy / "plugins" / "grad_clip" / "src" / "plugtrain_grad_clip" / "leak.py"
