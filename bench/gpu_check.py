@@ -226,8 +226,8 @@ def run_tests(args: argparse.Namespace, report: Report, timeout: float) -> None:
         junit = Path(tmp) / "junit.xml"
         command = [
             sys.executable, "-m", "pytest", "-m", "gpu", str(REPO / "tests" / "gpu"),
-            "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-        ]  # fmt: skip
+            "-q", "-p", "no:cacheprovider", "-n", "0", f"--junitxml={junit}",
+        ]  # fmt: skip  # one process: the tests measure the device's memory and syncs
         print(f"tests: {' '.join(command[2:])} ...", flush=True)
         try:
             done = subprocess.run(

@@ -29,7 +29,7 @@ import stack_check
 OWNER = NAME = "plugtrain"
 SELECTION = ["-m", "not slow", "-q", "-x", "-p", "no:cacheprovider",
              "-k", "toy or (test_repository and not ruff)", "-o", "python_files=test_toy_*.py",
-             "-p", "plugtrain.testing.pytest_plugin",
+             "-p", "plugtrain.testing.pytest_plugin", "-p", "xdist.plugin", "-n", "0",
              "tests/repository/test_repository.py", "plugins"]  # fmt: skip
 """The hook's pytest selection: the toy plugins' own tests and the repository's rules (every
 plugin folder is a distribution listed in requirements-dev.txt...). Not ruff: a lint error
@@ -37,7 +37,8 @@ in the working tree being copied is test_repository's to report, not this test's
 paths, and only the toy plugins' test files under plugins/: collecting the whole tree (torch,
 every plugin's tests) would cost each checked commit some 15 s for the same selection. The
 test turns pytest's plugin autoloading off: of the installed plugins (hypothesis, anyio...,
-seconds of imports) the selection needs only the kit's, named here."""
+seconds of imports) the selection needs only the kit's, named here, and xdist's, for the
+addopts' ``-n``: turned off, as workers would cost more than this selection takes."""
 
 GUARD = textwrap.dedent('''
     """Refuse network connections (Unix sockets only), in the test's process and, as the
