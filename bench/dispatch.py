@@ -228,7 +228,7 @@ def shipped(flavor: str, dtype: str, accum: int, steps: int, reps: int) -> dict:
     trainer = Trainer(*configure(train_args))
     host, model = trainer.host, trainer.model
     trainer.train_step(trainer.batches.next_batch())  # every lazy initialisation, untimed
-    inputs, targets = trainer.batches.next_batch()[0]
+    inputs, targets, *_ = trainer.batches.next_batch()[0]
     loss = cross_entropy(model(inputs), targets)
     loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]

@@ -105,7 +105,7 @@ class HandWrittenLoop:
         """Forward and backward each microbatch, unscale, clip, step, update; the mean loss."""
         scaler = self.scaler
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, targets in batch:
+        for inputs, targets, *_ in batch:
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             loss = cross_entropy(self.model(inputs), targets) / len(batch)
             loss_sum += loss.detach()

@@ -147,7 +147,7 @@ class PlainLoop:
 
     def train_step(self, batch: StepBatch) -> torch.Tensor:
         loss_sum = torch.zeros(())
-        for inputs, targets in batch:
+        for inputs, targets, *_ in batch:
             with torch.autocast(
                 "cpu", self.autocast or torch.float32, enabled=self.autocast is not None
             ):

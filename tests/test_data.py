@@ -15,6 +15,7 @@ from tokenizers import models
 
 from plugtrain.data.permutation import permute
 from plugtrain.data.pipeline import (
+    MicroBatch,
     PackedDataset,
     StatefulBatchLoader,
     count_eval_batches,
@@ -127,7 +128,8 @@ def test_packed_dataset_targets_are_shifted_inputs() -> None:
         assert inputs.dtype == targets.dtype == torch.int64
         assert inputs.tolist() == list(range(5 * i, 5 * i + 4))
         assert targets.tolist() == list(range(5 * i + 1, 5 * i + 5))
-    inputs, targets = ds.collate([3, 0])
+    inputs, targets, documents, positions = ds.collate([3, 0])
+    assert documents is positions is None  # unless asked for
     assert torch.equal(inputs, torch.stack([ds[3][0], ds[0][0]]))
     assert torch.equal(targets, torch.stack([ds[3][1], ds[0][1]]))
     with pytest.raises(IndexError, match="sample index 4 out of range for 4 samples"):
@@ -168,8 +170,8 @@ def _dataset(num_samples: int) -> PackedDataset:
     return PackedDataset(InMemoryStream(torch.arange(num_samples * (SEQ_LEN + 1))), seq_len=SEQ_LEN)
 
 
-def _ids(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
-    inputs, targets = batch
+def _ids(batch: MicroBatch) -> list[int]:
+    inputs, targets = batch.inputs, batch.targets
     assert inputs.shape == targets.shape and inputs.shape[1] == SEQ_LEN
     assert torch.equal(inputs[:, 1:], targets[:, :-1])
     return (inputs[:, 0] // (SEQ_LEN + 1)).tolist()

@@ -84,7 +84,7 @@ def test_hf_folder_gives_transformers_logits_and_its_loss_at_the_first_step(
     tokens = _sample_tokens()
     assert (_logits(trainer, tokens) - hf(tokens).logits).abs().max() < 1e-5
     first = trainer.batches.next_batch()
-    ((inputs, targets),) = first
+    ((inputs, targets, *_),) = first
     with torch.no_grad():
         expected = cross_entropy(hf(inputs).logits, targets)
     loss, _ = trainer.train_step(first)
@@ -112,7 +112,7 @@ def test_fp16_with_the_scaler_starts_at_the_hf_loss(tmp_path, folders):
         steps=20,
     )
     first = trainer.batches.next_batch()
-    ((inputs, targets),) = first
+    ((inputs, targets, *_),) = first
     with torch.no_grad():
         expected = cross_entropy(_hf_model(folders["sharded"])(inputs).logits, targets)
     loss, _ = trainer.train_step(first)

@@ -293,12 +293,28 @@ def test_corpus_shorter_than_one_sample(prepared: Path) -> None:
 def test_samples_read_across_shards_equal_the_in_memory_ones(
     prepared: Path, reference: torch.Tensor
 ) -> None:
-    stored = PackedDataset(TokenStore(prepared), 4000)  # samples longer than a shard
-    memory = PackedDataset(InMemoryStream(reference), 4000)
+    """Tokens, and the documents and positions from the shards' .idx against those the EOS
+    tokens give (this corpus's texts hold none)."""
+    flags = {"documents": True, "positions": True}
+    stored = PackedDataset(TokenStore(prepared), 4000, **flags)  # samples longer than a shard
+    ends = (reference == Tokenizer.from_file(TOKENIZER).eos_id).nonzero().flatten() + 1
+    memory = PackedDataset(InMemoryStream(reference, ends.tolist()), 4000, **flags)
     assert len(stored) == len(memory)
     indices = list(reversed(range(len(memory))))
-    for a, b in zip(stored.collate(indices), memory.collate(indices), strict=True):
-        assert a.dtype == torch.int64 and torch.equal(a, b)
+    got, want = stored.collate(indices), memory.collate(indices)
+    for a, b, dtype in zip(got, want, (torch.int64,) * 2 + (torch.int32,) * 2, strict=True):
+        assert a.dtype == dtype and torch.equal(a, b)
+    assert got.documents[:, -1].min() > 5  # each row holds many documents
+    starts = got.positions == 0
+    assert torch.equal(starts[:, 1:], got.documents.diff(dim=1) == 1)
+
+
+def test_a_damaged_document_index_is_refused(prepared: Path) -> None:
+    index = prepared / "shard_00001.idx"
+    with index.open("r+b") as f:
+        f.truncate(index.stat().st_size - 8)
+    with pytest.raises(DataError, match=rf"^document index {index} has \d+ bytes, not \d+"):
+        TokenStore(prepared)
 
 
 def test_bad_inputs_are_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,7 +56,7 @@ def test_validation_bpb_is_the_summed_loss_in_bits_over_the_targets_bytes(tmp_pa
     got = trainer.validate()
     nats, num_bytes, num_tokens = 0.0, 0, 0
     with torch.no_grad():
-        for inputs, targets in iter_eval_batches(
+        for inputs, targets, *_ in iter_eval_batches(
             trainer.val_data, batch_size=4, rank=0, world_size=1, max_batches=2
         ):
             logits = trainer.model(inputs).double().flatten(0, 1)

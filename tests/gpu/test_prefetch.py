@@ -59,7 +59,8 @@ def test_the_next_batch_is_copied_behind_the_step_without_waiting(tmp_path, devi
     expected = loader.next_batch()
     loader.load_state_dict(after)
     assert len(batch) == len(expected) > 0
-    for (inputs, targets), (want_inputs, want_targets) in zip(batch, expected, strict=True):
+    for got, want in zip(batch, expected, strict=True):
+        (inputs, targets, *_), (want_inputs, want_targets, *_) = got, want
         assert inputs.device.type == targets.device.type == device.type
         assert torch.equal(inputs.cpu(), want_inputs) and torch.equal(targets.cpu(), want_targets)
     trainer.train_step(batch)  # the step after the copy uses it (stream order)

@@ -43,7 +43,7 @@ def reference_run(
     model, optimizer = trainer.model, trainer.optimizer
     norms = []
     for _ in range(STEPS):
-        ((inputs, targets),) = trainer.batches.next_batch()
+        ((inputs, targets, *_),) = trainer.batches.next_batch()
         trainer.loss_fn(model(inputs), targets).backward()
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)

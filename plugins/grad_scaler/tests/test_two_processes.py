@@ -59,7 +59,7 @@ def compare_scaler_classes(dump_folder: str) -> dict:
     trainer's FSDP2 model, inf in rank 1's shard only: collectives, found_inf and host syncs
     seen on this rank."""
     trainer = make_trainer(dump_folder, *FP16)
-    (inputs, targets), *_ = trainer.batches.next_batch()
+    (inputs, targets, *_), *_ = trainer.batches.next_batch()
     out = {}
     for cls in (torch.amp.GradScaler, ShardedGradScaler):
         scaler = cls("cpu", init_scale=1024.0)

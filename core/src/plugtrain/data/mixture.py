@@ -84,11 +84,11 @@ class MixtureDataset:
         return sources, samples
 
     def collate(self, indices: Sequence[int]) -> MicroBatch:
-        """Stack the samples at ``indices`` into (inputs, targets) of shape [len, seq_len]."""
+        """Stack the samples at ``indices`` into a microbatch of shape [len, seq_len]."""
         sources, samples = self.locate(indices)
         np.add.at(self.drawn, sources, 1)
         return stack_samples(
-            [self.datasets[s].tokens(int(i)) for s, i in zip(sources, samples, strict=True)]
+            [(self.datasets[s], int(i)) for s, i in zip(sources, samples, strict=True)]
         )
 
     def shares(self) -> dict[str, float]:

@@ -7,7 +7,9 @@ resumable bit for bit:
    document framed Llama-style as ``<|begin_of_text|> tokens <|end_of_text|>``.
 2. :class:`PackedDataset` cuts the stream into non-overlapping samples of ``seq_len + 1``
    tokens (inputs, and targets shifted by one); documents run across sample boundaries.
-   Only the samples drawn are read.
+   Only the samples drawn are read. Asked to, it also gives each input token's document
+   (numbered from 0 in its row, from the store's document boundaries) and its position within
+   that document, for document masking and per-document RoPE positions.
 3. :class:`StatefulBatchLoader` draws training batches from a per-epoch permutation, split
    across data-parallel ranks and gradient-accumulation microbatches, with a world-size
    independent ``state_dict``; :func:`iter_eval_batches` does the same, unshuffled, for
@@ -21,7 +23,7 @@ trainer meets each while it is built, before step 1 (:func:`count_eval_batches` 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -29,9 +31,41 @@ import torch
 from plugtrain.data.permutation import permute
 from plugtrain.errors import DataError
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]
-"""One microbatch: ``(inputs, targets)``, both int64 token ids of shape ``[batch, seq_len]``;
-targets are inputs shifted by one."""
+
+class MicroBatch(NamedTuple):
+    """One microbatch: ``inputs`` and ``targets``, int64 token ids of shape ``[batch, seq_len]``
+    (targets are inputs shifted by one), and what the model needs besides, when the run asks.
+
+    ``documents`` is the document of each input token, int32 ``[batch, seq_len]``, numbered
+    from 0 in each row (``0 0 0 1 1 2 ...``; a row that starts inside a document starts at 0
+    too): the model attends only within a document (``model.attention = "document"``). A
+    sequence that should be one unit (a conversation) is one document. ``positions`` is each
+    input token's position within its document, int32 (``0 1 2 0 1 0 ...``), its RoPE position
+    (``data.reset_positions``). Each is None when the run does not use it.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    documents: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def to(self, device: torch.device, *, pin: bool = False) -> MicroBatch:
+        """The microbatch on ``device``; ``pin``: copied from pinned memory without blocking the
+        host (CUDA)."""
+        if device.type == "cpu":
+            return self
+        return MicroBatch(
+            *(
+                None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+                for t in self
+            )
+        )
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments of ``Transformer.forward`` this microbatch carries (none in a
+        run without document masking or per-document positions)."""
+        extra = {"documents": self.documents, "positions": self.positions}
+        return {k: v for k, v in extra.items() if v is not None}
 
 
 class TokenStream(Protocol):
@@ -41,6 +75,10 @@ class TokenStream(Protocol):
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the stream."""
+        ...
+
+    def documents(self, start: int, length: int) -> np.ndarray:
+        """The document of each token ``[start, start + length)``, numbered from 0."""
         ...
 
 
@@ -66,13 +104,21 @@ class PackedDataset:
     shorter than one sample is dropped. ``stream`` is a memory-mapped
     :class:`~plugtrain.data.store.TokenStore` (or any :class:`TokenStream`), whose tokens are
     read only when a sample is. ``source`` names where the stream came from in error messages
-    (``data.validation_path 'val.jsonl'``).
+    (``data.validation_path 'val.jsonl'``). ``documents`` and ``positions`` add those of
+    :class:`MicroBatch` to every batch.
     """
 
     def __init__(
-        self, stream: TokenStream, seq_len: int, *, source: str = "the token stream"
+        self,
+        stream: TokenStream,
+        seq_len: int,
+        *,
+        source: str = "the token stream",
+        documents: bool = False,
+        positions: bool = False,
     ) -> None:
         self._stream = stream
+        self.documents, self.positions = documents, positions
         if seq_len < 1:
             raise DataError(f"training.seq_len must be at least 1, got {seq_len}")
         num_tokens = self._stream.num_tokens
@@ -93,23 +139,43 @@ class PackedDataset:
         """(inputs, targets) of sample ``index``, int64 tensors of shape [seq_len]."""
         if not 0 <= index < len(self):
             raise IndexError(f"sample index {index} out of range for {len(self)} samples")
-        inputs, targets = self.collate([index])
-        return inputs[0], targets[0]
+        batch = self.collate([index])
+        return batch.inputs[0], batch.targets[0]
 
     def tokens(self, index: int) -> np.ndarray:
         """The ``seq_len + 1`` tokens of sample ``index`` (inputs, then the last target)."""
         width = self.seq_len + 1
         return self._stream.read(index * width, width)
 
+    def sample_documents(self, index: int) -> np.ndarray:
+        """The document of each input token of sample ``index`` (see :class:`MicroBatch`)."""
+        return self._stream.documents(index * (self.seq_len + 1), self.seq_len)
+
     def collate(self, indices: Sequence[int]) -> MicroBatch:
-        """Stack the samples at ``indices`` into (inputs, targets) of shape [len, seq_len]."""
-        return stack_samples([self.tokens(int(i)) for i in indices])
+        """Stack the samples at ``indices`` into a microbatch of shape [len, seq_len]."""
+        return stack_samples([(self, int(i)) for i in indices])
 
 
-def stack_samples(rows: Sequence[np.ndarray]) -> MicroBatch:
-    """(inputs, targets) int64 tensors of shape [len(rows), seq_len] from samples' tokens."""
-    samples = torch.from_numpy(np.stack(rows).astype(np.int64))
-    return samples[:, :-1], samples[:, 1:]
+def stack_samples(samples: Sequence[tuple[PackedDataset, int]]) -> MicroBatch:
+    """The microbatch of ``samples`` (dataset, index): int64 inputs and targets of shape
+    [len(samples), seq_len], and the documents and positions their datasets ask for."""
+    rows = torch.from_numpy(np.stack([d.tokens(i) for d, i in samples]).astype(np.int64))
+    documents = positions = None
+    first = samples[0][0]
+    if first.documents or first.positions:
+        ids = np.stack([d.sample_documents(i) for d, i in samples])
+        documents = torch.from_numpy(ids) if first.documents else None
+        positions = torch.from_numpy(document_positions(ids)) if first.positions else None
+    return MicroBatch(rows[:, :-1], rows[:, 1:], documents, positions)
+
+
+def document_positions(documents: np.ndarray) -> np.ndarray:
+    """Each token's position within its document, int32, from ``documents`` [rows, seq_len]
+    (``0 0 0 1 1 2`` gives ``0 1 2 0 1 0``)."""
+    index = np.arange(documents.shape[1], dtype=np.int32)
+    starts = np.ones(documents.shape, dtype=bool)  # where each document begins in its row
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
 def _check_rank(rank: int, world_size: int) -> None:

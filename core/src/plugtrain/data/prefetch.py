@@ -42,13 +42,7 @@ class DevicePrefetcher:
             self._ahead = (state, [self._to_device(mb) for mb in self.loader.next_batch()])
 
     def _to_device(self, microbatch: MicroBatch) -> MicroBatch:
-        if self.device.type == "cpu":
-            return microbatch
-        inputs, targets = (t.pin_memory() if self._pin else t for t in microbatch)
-        return (
-            inputs.to(self.device, non_blocking=True),
-            targets.to(self.device, non_blocking=True),
-        )
+        return microbatch.to(self.device, pin=self._pin)
 
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict() if self._ahead is None else self._ahead[0]

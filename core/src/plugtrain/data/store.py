@@ -7,6 +7,11 @@ vocabulary fits, ``uint32`` otherwise, in native little-endian order) and ``shar
 corpus's token stream. :class:`TokenStore` opens them with ``numpy.memmap``: opening costs
 neither time nor memory in proportion to the corpus, and the pages a batch touches are read
 on demand by the kernel.
+
+The ``.idx`` files are the documents' boundaries, whatever the tokenizer's special tokens (it
+need not have a BOS, and a text may hold an EOS id): :meth:`TokenStore.documents` numbers the
+documents of any range of the stream from them, for document masking and per-document
+positions. Every folder of format 1 has them.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class TokenStore:
             )
         self.dtype = np.dtype(self.manifest["dtype"])
         self._shards: list[np.ndarray] = []
+        self._ends: list[np.ndarray] = []  # each shard's document end offsets (its .idx)
         self._starts: list[int] = []  # token offset of each non-empty shard in the stream
         total = 0
         for shard in self.manifest["shards"]:
@@ -105,6 +111,7 @@ class TokenStore:
                 )
             if shard["num_tokens"]:
                 self._shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
+                self._ends.append(self._open_index(shard))
                 self._starts.append(total)
                 total += shard["num_tokens"]
         if total != self.manifest["num_tokens"]:
@@ -113,6 +120,19 @@ class TokenStore:
                 f"shards hold {total}: run '{PREPARE_HINT}' again to rewrite {self.folder}"
             )
         self.num_tokens = total
+
+    def _open_index(self, shard: dict[str, Any]) -> np.ndarray:
+        """The shard's document end offsets (memory-mapped), checked for their size."""
+        path = self.folder / shard["index"]
+        expected = shard["num_documents"] * np.dtype(np.int64).itemsize
+        size = path.stat().st_size if path.is_file() else None
+        if size != expected:
+            what = "is missing" if size is None else f"has {size} bytes, not {expected}"
+            raise DataError(
+                f"document index {path} {what} (truncated or damaged): run '{PREPARE_HINT}' "
+                f"again to rewrite {self.folder}"
+            )
+        return np.memmap(path, dtype=np.int64, mode="r")
 
     @property
     def vocab_size(self) -> int:
@@ -135,6 +155,27 @@ class TokenStore:
             pieces.append(self._shards[i][: length - got])
             got += len(pieces[-1])
         return np.concatenate(pieces)
+
+    def documents(self, start: int, length: int) -> np.ndarray:
+        """The document of each token ``[start, start + length)``: int32, numbered from 0 at
+        ``start`` (``0 0 0 1 1 2 ...``). Found by binary search in the shards' ``.idx``, so the
+        cost grows with the documents in the range, not with the corpus."""
+        if start < 0 or start + length > self.num_tokens:
+            raise IndexError(f"tokens [{start}, {start + length}) out of [0, {self.num_tokens})")
+        first = np.zeros(length, dtype=np.int32)  # 1 where a document after the first starts
+        end, at = start + length, start
+        i = bisect.bisect_right(self._starts, start) - 1
+        while True:
+            base, ends = self._starts[i], self._ends[i]
+            lo, hi = at - base, min(end - base, len(self._shards[i]))
+            # The documents ending strictly inside the part read: the next one starts there.
+            inside = ends[np.searchsorted(ends, lo, "right") : np.searchsorted(ends, hi, "left")]
+            first[inside + (base - start)] = 1
+            at = base + hi
+            if at == end:
+                return np.cumsum(first, dtype=np.int32)
+            first[at - start] = 1  # a shard ends where a document does
+            i += 1
 
 
 def document_offsets(folder: str | os.PathLike[str], shard: int) -> np.ndarray:

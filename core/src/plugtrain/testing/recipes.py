@@ -55,8 +55,9 @@ def canonical_fp16_loop(
     result = RecipeResult()
     for step in range(1, steps + 1):
         batch = trainer.batches.next_batch()
-        for inputs, targets in batch:
-            scaler.scale(cross_entropy(model(inputs), targets) / len(batch)).backward()
+        for microbatch in batch:
+            loss = cross_entropy(model(microbatch.inputs), microbatch.targets)
+            scaler.scale(loss / len(batch)).backward()
         if step in inf_steps:
             poison(model)
         scaler.unscale_(optimizer)

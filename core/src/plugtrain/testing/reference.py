@@ -59,13 +59,22 @@ def tokenize_documents(texts: Sequence[str], tokenizer: Tokenizer) -> torch.Tens
 
 class InMemoryStream:
     """A token stream held in memory (a 1-D tensor), read like a
-    :class:`~plugtrain.data.store.TokenStore`."""
+    :class:`~plugtrain.data.store.TokenStore`; ``document_ends`` (each document's end offset,
+    exclusive, ascending) gives it documents."""
 
-    def __init__(self, stream: torch.Tensor) -> None:
+    def __init__(self, stream: torch.Tensor, document_ends: Sequence[int] | None = None) -> None:
         if stream.dim() != 1:
             raise ValueError(f"token stream must be 1-D, got shape {tuple(stream.shape)}")
         self._stream = stream.numpy()
         self.num_tokens = stream.numel()
+        self._ends = None if document_ends is None else np.asarray(document_ends, np.int64)
+
+    def documents(self, start: int, length: int) -> np.ndarray:
+        """The document of each token ``[start, start + length)``, numbered from 0."""
+        if self._ends is None:
+            raise ValueError("this InMemoryStream was made without document_ends")
+        ids = np.searchsorted(self._ends, np.arange(start, start + length), "right")
+        return (ids - ids[0]).astype(np.int32)
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the stream."""

@@ -342,7 +342,8 @@ class Trainer:
         )
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
-        for ctx.microbatch, (inputs, targets) in enumerate(batch):
+        for ctx.microbatch, microbatch in enumerate(batch):
+            inputs, targets = microbatch.inputs, microbatch.targets
             logits = self.model(inputs)
             loss = self.loss_fn(logits, targets) / ctx.num_microbatches
             loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
@@ -503,15 +504,16 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # the batches' mean losses, and their count
         scored = torch.zeros(2, dtype=torch.float64, device=self.device)  # nats, bytes
-        for inputs, targets in iter_eval_batches(
+        for microbatch in iter_eval_batches(
             self.val_data,
             batch_size=self.config.training.batch_size,
             rank=self.world.rank,
             world_size=self.world.world_size,
             max_batches=self.config.validation.steps,
         ):
-            targets = targets.to(self.device)
-            loss = cross_entropy(self.model(inputs.to(self.device)), targets)
+            microbatch = microbatch.to(self.device)
+            targets = microbatch.targets
+            loss = cross_entropy(self.model(microbatch.inputs), targets)
             total[0] += loss
             total[1] += 1
             scored[0] += loss.double() * targets.numel()
