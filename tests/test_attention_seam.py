@@ -89,7 +89,7 @@ def test_sdpa_mask_is_built_only_for_a_chunk_after_cached_positions() -> None:
 
 
 def test_an_unknown_attention_variant_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"ModelArgs\.attention='flex' .* one of: sdpa$"):
+    with pytest.raises(ValueError, match=r"ModelArgs\.attention='flex' .* one of: sdpa, document$"):
         attention_variant("flex")
     with pytest.raises(ValueError, match=r"ModelArgs\.attention='nope'"):
         Transformer(dataclasses.replace(TINY, attention="nope"))

@@ -195,12 +195,17 @@ def model_tensors(path) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "async_mode"),
-    [("float32", "disabled"), ("bfloat16", "disabled"), ("float32", "async")],
+    ("dtype", "async_mode", "attention"),
+    [
+        ("float32", "disabled", "causal"),
+        ("bfloat16", "disabled", "causal"),
+        ("float32", "async", "causal"),
+        ("float32", "disabled", "document"),
+    ],
 )
-def test_interrupted_run_resumes_exactly(tmp_path, dtype, async_mode):
+def test_interrupted_run_resumes_exactly(tmp_path, dtype, async_mode, attention):
     handler = signal.getsignal(signal.SIGTERM)
-    r = sigterm_scenario(str(tmp_path), dtype, async_mode, 0)
+    r = sigterm_scenario(str(tmp_path), dtype, async_mode, 0, ("--model.attention", attention))
     assert signal.getsignal(signal.SIGTERM) is handler  # given back at close
     assert r["stopped_at"] == K
     assert r["saved_after_stop"] == ["step-3", f"step-{K}"]

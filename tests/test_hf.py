@@ -10,7 +10,8 @@ import torch
 
 from plugtrain.errors import CheckpointError
 from plugtrain.model.hf import from_hf, hf_config, model_args_from_hf, parameter_shapes, to_hf
-from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.model.transformer import FLAVORS, Transformer, cross_entropy
+from plugtrain.testing import document_spans, packed_documents
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,3 +133,25 @@ def test_a_transformers_model_read_with_from_hf_gives_its_logits():
         with torch.no_grad():
             errors[permute] = (ours(tokens) - expected).abs().max().item()
     assert errors[True] < 1e-5 < errors[False]
+
+
+@torch.no_grad()
+def test_transformers_on_each_document_alone_gives_the_packed_and_masked_loss():
+    """The judge of document masking: LlamaForCausalLM on each document on its own (positions
+    from 0) gives the loss plugtrain's packed row gives it with masking and reset positions."""
+    args = dataclasses.replace(TINY, attention="document")
+    config = transformers.LlamaConfig(
+        **hf_config(args, dtype=torch.float32, bos_token_id=0, eos_token_id=1)
+    )
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    ours = Transformer(args)
+    ours.init_weights(0)
+    ours.load_state_dict(dict(from_hf(k, v, args) for k, v in theirs.state_dict().items()))
+    batch = packed_documents([(5, 11, 8), (13, 2, 9)], args.vocab_size)
+    logits = ours(batch.inputs, **batch.model_inputs())
+    for row, documents in enumerate(batch.documents):
+        for span in document_spans(documents):
+            targets = batch.targets[row, span][None]
+            expected = cross_entropy(theirs(batch.inputs[row, span][None]).logits, targets)
+            assert abs(cross_entropy(logits[row, span][None], targets) - expected) < 1e-5

@@ -1,4 +1,5 @@
-"""Zero host syncs per non-logging step: the core, grad_clip and grad_scaler, 1 and 2 processes.
+"""Zero host syncs per non-logging step: the core (causal or document masking), grad_clip and
+grad_scaler, 1 and 2 processes.
 
 A run of N steps logs at step 1 and step N only (``metrics.log_freq`` larger than N). Counted
 over two runs of different lengths, the difference is what the extra non-logging steps cost:
@@ -15,6 +16,7 @@ from plugtrain.training.trainer import Trainer
 SHORT, LONG = 3, 6
 DECLARED = {
     "core fp32": {},
+    "document masking fp32": {},
     "grad_clip fp32": {"_c10d_functional.all_reduce": 1},  # the global norm
     "grad_clip bf16": {"_c10d_functional.all_reduce": 1},
     # and the scaler's found_inf, reduced by DTensor inside its unscale kernel
@@ -23,6 +25,7 @@ DECLARED = {
 """The collectives each case adds to the core's per non-logging step, as the plugins declare."""
 CASES = {
     "core fp32": ("--training.mixed_precision_param", "float32"),
+    "document masking fp32": ("--model.attention", "document"),
     "grad_clip fp32": ("--plugins.enabled", "grad_clip"),
     "grad_clip bf16": (
         "--plugins.enabled", "grad_clip", "--training.mixed_precision_param", "bfloat16",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from plugtrain.errors import check_field
 
@@ -20,6 +21,10 @@ class DataConfig:
     """The key of each JSON object that holds the document's text."""
     shuffle: bool = True
     """Shuffle training samples (a new seeded permutation each epoch)."""
+    reset_positions: bool | Literal["auto"] = "auto"
+    """Restart the RoPE positions at 0 at each document of a packed sequence (Megatron's
+    ``--reset-position-ids``), so that a document's tokens get the positions they would have
+    alone. ``auto``: true with ``model.attention = "document"``, else false."""
     sources: list[dict] = field(default_factory=list)
     """A mixture that replaces ``train_path``: ``[{path=..., weight=...}, ...]``, each path a
     prepared folder or a data file, sampled in proportion to its weight (optional ``name``,

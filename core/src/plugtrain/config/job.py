@@ -76,6 +76,8 @@ class JobConfig:
                     " (or set checkpoint.initial_load_path to a Hugging Face folder)"
                 )
             self.model.hf_config = initial
+        if self.data.reset_positions == "auto":
+            self.data.reset_positions = self.model.attention == "document"
         lr, steps = self.lr_scheduler, self.training.steps
         if lr.decay_type == "wsd" and lr.warmup_steps + lr.decay_steps > steps:
             raise ConfigError(
@@ -122,7 +124,7 @@ FIXED_ON_RESUME: dict[str, tuple[str, ...] | None] = {
     ),
     "optimizer": None,
     "lr_scheduler": None,
-    "data": ("text_field", "shuffle"),
+    "data": ("text_field", "shuffle", "reset_positions"),
 }
 """The settings a resumed run keeps, by section (None: every key): they define the run's
 trajectory, so the run a resume continues must be the one they started. Every other setting

@@ -46,6 +46,11 @@ class ModelConfig:
     """llama3 scaling: wavelengths below ``rope_original_max_seq_len / this`` are kept."""
     rope_original_max_seq_len: int = 8192
     """llama3 scaling: the context length of the unscaled model."""
+    attention: Literal["causal", "document"] = "causal"
+    """``causal``: every token attends to all the tokens before it in its packed sequence,
+    whichever document they belong to. ``document``: only to those of its own document (the
+    documents' boundaries come from the token store); on CUDA through flex attention, on the
+    CPU through SDPA with a boolean mask. With it, ``data.reset_positions`` defaults to true."""
 
     def __post_init__(self) -> None:
         choices = (*FLAVORS, "hf")
@@ -104,7 +109,11 @@ class ModelConfig:
                     f"rows of the embedding model.hf_config '{self.hf_config}' gives: use the "
                     "tokenizer of that model (model.tokenizer_path)"
                 )
-            return dataclasses.replace(args, max_seq_len=max(args.max_seq_len, seq_len))
+            return dataclasses.replace(
+                args,
+                max_seq_len=max(args.max_seq_len, seq_len),
+                attention=ATTENTION_VARIANTS[self.attention],
+            )
         if vocab_size is None:
             vocab_size = FLAVORS[self.flavor].vocab_size
         args = run_model_args(self.flavor, vocab_size, seq_len)
@@ -113,7 +122,12 @@ class ModelConfig:
             tie_embeddings=self.tie_embeddings,
             ffn_dim=self.ffn_dim if self.ffn_dim is not None else args.ffn_dim,
             rope_scaling=self.rope_scaling_args(),
+            attention=ATTENTION_VARIANTS[self.attention],
         )
+
+
+ATTENTION_VARIANTS = {"causal": "sdpa", "document": "document"}
+"""``model.attention``'s values and the ``ModelArgs.attention`` variant each names."""
 
 
 _SHAPE_OPTIONS = {"tie_embeddings": False, "ffn_dim": None, "rope_scaling": "none"}

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from plugtrain.data.pipeline import PackedDataset as PackedDataset
     from plugtrain.data.pipeline import StatefulBatchLoader as StatefulBatchLoader
     from plugtrain.data.pipeline import count_eval_batches as count_eval_batches
+    from plugtrain.data.pipeline import document_positions as document_positions
     from plugtrain.data.pipeline import iter_eval_batches as iter_eval_batches
     from plugtrain.data.prefetch import DevicePrefetcher as DevicePrefetcher
     from plugtrain.data.prepare import SHARD_TOKENS as SHARD_TOKENS

@@ -82,7 +82,7 @@ class ModelArgs:
     """Llama 3.1's RoPE frequency scaling, or None for plain RoPE."""
     attention: str = "sdpa"
     """How attention is computed: a name in ``model.attention.VARIANTS`` (``"sdpa"``: causal
-    ``F.scaled_dot_product_attention``)."""
+    ``F.scaled_dot_product_attention``; ``"document"``: causal within each document)."""
 
     def __post_init__(self) -> None:
         for name in (

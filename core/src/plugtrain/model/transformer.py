@@ -81,7 +81,8 @@ def precompute_freqs_cis(
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate channel pairs (2k, 2k+1) of ``x`` [B, S, heads, head_dim] by ``freqs_cis``.
 
-    ``freqs_cis`` is [S, head_dim/2] (a slice of ``precompute_freqs_cis``).
+    ``freqs_cis`` is [S, head_dim/2] (a slice of ``precompute_freqs_cis``, shared by the rows),
+    or [B, S, head_dim/2] (its rows at each token's own position: per-document positions).
 
     Meta's convention (adjacent pairs, not the rotate-half layout of Hugging Face). The rotation
     runs in float32 whatever the activation dtype, then casts back. Eagerly it is one complex
@@ -92,7 +93,8 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return rotate_pairs(x, freqs_cis)
     x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    rotated = torch.view_as_real(x_c * freqs_cis[None, :, None, :]).flatten(-2)
+    freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
+    rotated = torch.view_as_real(x_c * freqs).flatten(-2)
     return rotated.type_as(x)
 
 
@@ -100,7 +102,8 @@ def rotate_pairs(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """:func:`apply_rotary_emb` in real arithmetic: each pair ``(a, b)`` and rotation
     ``c + i s`` give ``(a c - b s, a s + b c)``, the products and sums of the complex
     multiplication ``(a + ib)(c + is)``, in its order, so the result is bitwise the same."""
-    cos, sin = torch.view_as_real(freqs_cis)[None, :, None, :].unbind(-1)
+    real = torch.view_as_real(freqs_cis)
+    cos, sin = (real[None, :, None, :] if freqs_cis.dim() == 2 else real[:, :, None, :]).unbind(-1)
     a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
 
@@ -291,7 +294,10 @@ class Transformer(nn.Module):
     """Llama-style decoder: token embedding, ``n_layers`` blocks, final RMSNorm, output head.
 
     ``forward(tokens [B, S]) -> logits [B, S, vocab_size]`` in the activation dtype (the
-    parameter dtype, or FSDP2's ``param_dtype``); compute the loss in float32. For inference,
+    parameter dtype, or FSDP2's ``param_dtype``); compute the loss in float32. ``documents``
+    [B, S] (``MicroBatch.documents``) gives the attention variant each token's document, and
+    ``positions`` [B, S] each token's RoPE position (default ``0 .. S-1`` in every row;
+    ``MicroBatch.positions`` restarts them at each document). For inference,
     ``forward(tokens, cache)`` with a :class:`KVCache` takes ``tokens`` as the positions after
     those the cache holds, and appends theirs (call it under ``torch.no_grad``). Both build
     the attention variant's mask once and hand it to every block.
@@ -326,7 +332,14 @@ class Transformer(nn.Module):
             persistent=False,
         )
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         start = 0 if cache is None else cache.length
         seq_len = tokens.shape[1]
         if start + seq_len > self.args.max_seq_len:
@@ -340,8 +353,11 @@ class Transformer(nn.Module):
                 "casts complex buffers to real); call init_weights again or use FSDP2's "
                 "MixedPrecisionPolicy instead of Module.to(dtype)"
             )
-        freqs_cis = self.freqs_cis[start : start + seq_len]
-        mask = self.attend.mask(tokens, start)
+        if positions is None:
+            freqs_cis = self.freqs_cis[start : start + seq_len]
+        else:  # each token's rotation, [B, S, head_dim/2]: a gather, no host read
+            freqs_cis = self.freqs_cis[positions]
+        mask = self.attend.mask(tokens, start, documents)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, freqs_cis, cache=cache, mask=mask)

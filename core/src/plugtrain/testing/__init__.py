@@ -40,7 +40,9 @@ it, the reference of an import; :func:`save_random_llama` saves one of a plugtra
 
 The reference data path (:mod:`~plugtrain.testing.reference`): :func:`load_jsonl_texts`,
 :func:`tokenize_documents`, :class:`InMemoryStream` and :func:`build_dataset` read, frame and
-pack a JSONL file in memory, the oracle that prepared data is checked against.
+pack a JSONL file in memory, the oracle that prepared data is checked against;
+:func:`packed_documents` and :func:`document_spans` pack random documents into rows and find
+them again, the oracle of document masking.
 
 The hand-written recipes (:mod:`~plugtrain.testing.recipes`): :func:`canonical_fp16_loop` is
 the canonical ``torch.amp.GradScaler`` loop (clipping optional) on a trainer's model, on its
@@ -86,7 +88,9 @@ if TYPE_CHECKING:
     from plugtrain.testing.recipes import grad_norm as grad_norm
     from plugtrain.testing.reference import InMemoryStream as InMemoryStream
     from plugtrain.testing.reference import build_dataset as build_dataset
+    from plugtrain.testing.reference import document_spans as document_spans
     from plugtrain.testing.reference import load_jsonl_texts as load_jsonl_texts
+    from plugtrain.testing.reference import packed_documents as packed_documents
     from plugtrain.testing.reference import tokenize_documents as tokenize_documents
     from plugtrain.testing.runs import SAMPLE as SAMPLE
     from plugtrain.testing.runs import HookLog as HookLog

@@ -4,7 +4,9 @@
 document as ``[bos] tokens [eos]`` into one stream, :class:`InMemoryStream` holds it for a
 :class:`~plugtrain.data.pipeline.PackedDataset`, and :func:`build_dataset` does all three. The
 trainer never uses it: it reads prepared folders (:mod:`plugtrain.data.store`), whose tokens
-must equal these exactly.
+must equal these exactly. :func:`packed_documents` packs random documents of given lengths
+into rows, with their documents and positions, and :func:`document_spans` finds each
+document of a row again: the oracle of document masking (each document alone).
 """
 
 from __future__ import annotations
@@ -16,7 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plugtrain.data import PackedDataset, Tokenizer, iter_documents
+from plugtrain.data import (
+    MicroBatch,
+    PackedDataset,
+    Tokenizer,
+    document_positions,
+    iter_documents,
+)
 from plugtrain.errors import DataError, MissingFileError
 
 
@@ -87,3 +95,29 @@ def build_dataset(
     """Load, tokenize and pack the JSONL file at ``path`` (config key ``key``) in one call."""
     stream = tokenize_documents(load_jsonl_texts(path, field, key=key), tokenizer)
     return PackedDataset(InMemoryStream(stream), seq_len, source=f"{key} '{path}'")
+
+
+def packed_documents(
+    lengths: Sequence[Sequence[int]], vocab_size: int, seed: int = 0
+) -> MicroBatch:
+    """Rows of random tokens packed from documents of ``lengths`` (one sequence per row, each
+    summing to the same length), with their ``documents`` and per-document ``positions``."""
+    tokens = torch.randint(
+        0,
+        vocab_size,
+        (len(lengths), sum(lengths[0]) + 1),
+        generator=torch.Generator().manual_seed(seed),
+    )
+    ids = np.stack([np.repeat(np.arange(len(row)), row) for row in lengths]).astype(np.int32)
+    return MicroBatch(
+        tokens[:, :-1],
+        tokens[:, 1:],
+        torch.from_numpy(ids),
+        torch.from_numpy(document_positions(ids)),
+    )
+
+
+def document_spans(documents: torch.Tensor) -> list[slice]:
+    """Where each document of one row of ``documents`` (``MicroBatch.documents[row]``) lies."""
+    starts = [0, *((documents[1:] != documents[:-1]).nonzero().flatten() + 1).tolist()]
+    return [slice(a, b) for a, b in zip(starts, [*starts[1:], len(documents)], strict=True)]

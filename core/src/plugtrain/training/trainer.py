@@ -236,7 +236,13 @@ class Trainer:
             is_main=self.world.is_main,
             barrier=dist.barrier if self.world.world_size > 1 else None,
         )
-        return PackedDataset(store, self.config.training.seq_len, source=f"{key} '{path}'")
+        return PackedDataset(
+            store,
+            self.config.training.seq_len,
+            source=f"{key} '{path}'",
+            documents=self.config.model.attention == "document",
+            positions=self.config.data.reset_positions is True,
+        )
 
     def _warn_if_schedule_differs(self) -> None:
         """Say what a resumed run whose training.steps changed does: its LR schedule keeps the
@@ -344,7 +350,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for ctx.microbatch, microbatch in enumerate(batch):
             inputs, targets = microbatch.inputs, microbatch.targets
-            logits = self.model(inputs)
+            logits = self.model(inputs, **microbatch.model_inputs())
             loss = self.loss_fn(logits, targets) / ctx.num_microbatches
             loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
             if self.loss_terms is not None:  # only in runs where a plugin implements the hook
@@ -513,7 +519,9 @@ class Trainer:
         ):
             microbatch = microbatch.to(self.device)
             targets = microbatch.targets
-            loss = cross_entropy(self.model(microbatch.inputs), targets)
+            # The training forward's masking and positions: the same loss for the same text.
+            logits = self.model(microbatch.inputs, **microbatch.model_inputs())
+            loss = cross_entropy(logits, targets)
             total[0] += loss
             total[1] += 1
             scored[0] += loss.double() * targets.numel()
