@@ -199,3 +199,13 @@ def test_generate(tmp_path):
     # The KV cache's arithmetic is one forward's: every new token's matmuls once.
     assert flops["cached"] == pytest.approx(flops["one_forward"], rel=0.05)
     assert flops["uncached"] > 5 * flops["cached"]
+
+
+def test_document_masking(tmp_path):
+    results = quick_results("document_masking", tmp_path)
+    assert [(f["split"], f["seq_len"]) for f in results["masked_pairs"]] == [
+        ("train", 128),
+        ("validation", 128),
+    ]
+    assert all(0 < f["masked_fraction"] < 0.01 for f in results["masked_pairs"])  # whole plays
+    assert results["step_cost"]["step_cpu"]["ratio"]["n"] == 3
