@@ -121,3 +121,23 @@ def test_training_and_validation_losses_are_those_of_each_document_alone(tmp_pat
         loss, _ = trainer.train_step(batch)
     trainer.close()
     assert abs(loss - expected) < 1e-5
+
+
+def test_activation_checkpointing_recomputes_the_masked_step_bitwise(tmp_path, paragraphs):
+    """The mask and the per-token rotations reach checkpointed blocks: same loss, same
+    gradients as without checkpointing."""
+    args = ("--model.attention", "document", "--data.train_path", paragraphs)
+    results = []
+    for i, extra in enumerate([(), ("--plugins.enabled", "activation_checkpointing")]):
+        trainer = make_trainer(tmp_path / str(i), *args, *extra)
+        if extra:
+            assert trainer.host.get("activation_checkpointing").checkpointed_blocks
+        batch = trainer.batches.next_batch()
+        loss = trainer.loss_fn(trainer.model(batch[0].inputs, **batch[0].model_inputs()),
+                               batch[0].targets)  # fmt: skip
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]))
+        trainer.close()
+    (loss, grads), (ac_loss, ac_grads) = results
+    assert torch.equal(loss, ac_loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ac_grads, strict=True))
