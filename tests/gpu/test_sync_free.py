@@ -26,6 +26,10 @@ CASES = {
     "grad_clip bf16": (
         "--plugins.enabled", "grad_clip", "--training.mixed_precision_param", "bfloat16",
     ),
+    # flex attention, and its BlockMask built each forward
+    "document masking bf16": (
+        "--model.attention", "document", "--training.mixed_precision_param", "bfloat16",
+    ),
 }  # fmt: skip
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "DocumentMasking",
     "attention_variant",
     "document_block_mask",
+    "document_mask",
 ]
 
 Mask = torch.Tensor | BlockMask
@@ -115,11 +116,7 @@ class DocumentMasking(SDPA):
                 "document masking takes no KV cache: decode one document per row, without "
                 "documents (each row is then one document)"
             )
-        if documents.is_cuda:
-            return document_block_mask(documents)
-        seq = documents.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
-        return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+        return document_block_mask(documents) if documents.is_cuda else document_mask(documents)
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None
@@ -129,6 +126,14 @@ class DocumentMasking(SDPA):
             flex = _compiled_flex_attention()
             return flex(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return super().__call__(q, k, v, mask)
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """SDPA's boolean mask of same-document, causal pairs for ``documents`` [B, S]: [B, 1, S, S],
+    True where the query may see the key."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
 
 
 def document_block_mask(documents: torch.Tensor, *, compiled: bool = True) -> BlockMask:
