@@ -22,8 +22,9 @@ from plugtrain.testing import (
     InjectInf,
     count_costs,
     make_trainer,
+    max_difference,
+    metrics_by_step,
     parameter_checksums,
-    read_metrics,
     run_distributed,
 )
 
@@ -124,21 +125,8 @@ def runs(tmp_path_factory) -> dict:
         "ranks": ranks,
         "resumed_two": resumed_two,
         "resumed_one": train(base / "hsdp_to_fsdp1"),
-        "metrics": {name: by_step(base / name) for name in RUNS},
+        "metrics": {name: metrics_by_step(base / name) for name in RUNS},
     }
-
-
-def by_step(folder: Path) -> dict[int, dict]:
-    """A run's metrics records, those of a step (training, validation) merged."""
-    steps: dict[int, dict] = {}
-    for record in read_metrics(folder):
-        steps.setdefault(record["step"], {}).update(record)
-    return steps
-
-
-def max_difference(a: dict[int, dict], b: dict[int, dict], steps: range) -> float:
-    """The largest absolute difference of the ``COMPARED`` metrics over ``steps``."""
-    return max(abs(a[s][k] - b[s][k]) for s in steps for k in COMPARED if k in a[s] or k in b[s])
 
 
 TOLERANCE = 2e-4
@@ -153,8 +141,8 @@ def test_hsdp_matches_one_process_and_fsdp_with_the_plugins(runs):
     steps = range(1, STEPS + 1)
     assert all(k in m["hsdp"][STEPS] for k in COMPARED), sorted(m["hsdp"][STEPS])
     assert not any(math.isnan(m["hsdp"][s]["loss"]) for s in steps)
-    vs_one = max_difference(m["hsdp"], m["one"], steps)
-    vs_fsdp = max_difference(m["hsdp"], m["fsdp"], steps)
+    vs_one = max_difference(m["hsdp"], m["one"], steps, COMPARED)
+    vs_fsdp = max_difference(m["hsdp"], m["fsdp"], steps, COMPARED)
     assert vs_one < TOLERANCE, f"HSDP vs 1 process: max difference {vs_one:.3g}"
     assert vs_fsdp < TOLERANCE, f"HSDP vs FSDP: max difference {vs_fsdp:.3g}"
 
@@ -200,7 +188,7 @@ def test_the_replicas_all_reduce_once_per_optimizer_step(runs):
 def test_a_checkpoint_resumes_in_the_other_layout(runs, resumed, written):
     m = runs["metrics"]
     assert min(m[resumed]) == SAVED + 1  # resumed, not trained from scratch
-    difference = max_difference(m[resumed], m[written], range(SAVED + 1, STEPS + 1))
+    difference = max_difference(m[resumed], m[written], range(SAVED + 1, STEPS + 1), COMPARED)
     assert difference < TOLERANCE, f"{resumed}: max difference {difference:.3g}"
 
 

@@ -97,6 +97,8 @@ if TYPE_CHECKING:
     from plugtrain.testing.runs import RunResult as RunResult
     from plugtrain.testing.runs import Trainer as Trainer
     from plugtrain.testing.runs import make_trainer as make_trainer
+    from plugtrain.testing.runs import max_difference as max_difference
+    from plugtrain.testing.runs import metrics_by_step as metrics_by_step
     from plugtrain.testing.runs import parameter_checksums as parameter_checksums
     from plugtrain.testing.runs import read_metrics as read_metrics
     from plugtrain.testing.runs import tiny_args as tiny_args

@@ -39,6 +39,8 @@ __all__ = [
     "RunResult",
     "Trainer",
     "make_trainer",
+    "max_difference",
+    "metrics_by_step",
     "parameter_checksums",
     "read_metrics",
     "tiny_args",
@@ -106,6 +108,23 @@ def read_metrics(dump_folder: str | Path) -> list[dict]:
     """The JSONL records a run wrote (rank 0), in order."""
     lines = (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def metrics_by_step(dump_folder: str | Path) -> dict[int, dict]:
+    """A run's metrics records by step, those of a step (training, validation) merged."""
+    steps: dict[int, dict] = {}
+    for record in read_metrics(dump_folder):
+        steps.setdefault(record["step"], {}).update(record)
+    return steps
+
+
+def max_difference(
+    a: dict[int, dict], b: dict[int, dict], steps: Iterable[int], keys: Iterable[str]
+) -> float:
+    """The largest absolute difference of metrics ``keys`` between two runs'
+    :func:`metrics_by_step` over ``steps`` (a key that either logs at a step is compared)."""
+    keys = tuple(keys)
+    return max(abs(a[s][k] - b[s][k]) for s in steps for k in keys if k in a[s] or k in b[s])
 
 
 def parameter_checksums(model: nn.Module) -> str:
