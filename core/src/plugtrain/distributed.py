@@ -2,8 +2,11 @@
 
 Plain ``python train.py`` runs as a world of one process (a private in-memory store, no ports);
 ``torchrun`` gives N processes on one or several machines.
-CPU uses the gloo backend, CUDA uses NCCL. The mesh is 1-D, ``("dp_shard",)``, for FSDP over
-every rank, and 2-D, ``("dp_replicate", "dp_shard")``, for hybrid sharding (``[parallelism]``).
+CPU uses the gloo backend, CUDA uses NCCL. The data-parallel mesh is 1-D, ``("dp_shard",)``, for
+FSDP over every rank, and 2-D, ``("dp_replicate", "dp_shard")``, for hybrid sharding
+(``[parallelism]``). With tensor parallelism one 3-D mesh, ``("dp_replicate", "dp_shard", "tp")``,
+is built and both are sliced from it: the data-parallel mesh and the ``"tp"`` one (consecutive
+ranks, the GPUs of one node).
 """
 
 from __future__ import annotations
@@ -27,11 +30,31 @@ class World:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
-    """The data-parallel mesh the model is sharded over: every rank, 1-D or 2-D."""
+    """The data-parallel mesh the model is sharded over, 1-D or 2-D: every rank, or under
+    tensor parallelism the ranks that share this rank's place in its ``tp`` group."""
+    tp_mesh: DeviceMesh | None = None
+    """The 1-D ``"tp"`` mesh of the ranks that split this rank's model (``parallelism.tp > 1``);
+    None without tensor parallelism."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree (1 without)."""
+        return 1 if self.tp_mesh is None else self.tp_mesh.size()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the ranks that train on different data: a ``tp`` group's
+        ranks are consecutive and read the same batches."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """The number of ranks that train on different data: the world size over ``tp``."""
+        return self.world_size // self.tp
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -46,12 +69,23 @@ def resolve_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def mesh_shape(world_size: int, dp_replicate: int = 1, dp_shard: int = -1) -> tuple[int, ...]:
-    """The mesh's shape for ``parallelism.dp_replicate`` and ``dp_shard`` on ``world_size``
-    ranks: ``(world_size,)`` for plain FSDP, ``(dp_replicate, dp_shard)`` for HSDP.
+def mesh_shape(
+    world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
+) -> tuple[int, ...]:
+    """The mesh's shape for ``parallelism.dp_replicate``, ``dp_shard`` and ``tp`` on
+    ``world_size`` ranks: ``(world_size,)`` for plain FSDP, ``(dp_replicate, dp_shard)`` for
+    HSDP, ``(dp_replicate, dp_shard, tp)`` with tensor parallelism.
 
     Degrees whose product is not the world size are refused in one line naming them.
     """
+    if tp > 1:
+        if world_size % tp:
+            raise ConfigError(
+                f"parallelism.tp = {tp} does not divide the world size {world_size}: launch a "
+                f"multiple of {tp} processes, or set tp to a divisor of {world_size}"
+            )
+        data_parallel = mesh_shape(world_size // tp, dp_replicate, dp_shard)
+        return (dp_replicate, data_parallel[-1], tp)
     if dp_replicate > 1 and world_size == 1:
         raise ConfigError(
             f"parallelism.dp_replicate = {dp_replicate} needs several processes but this run "
@@ -75,7 +109,7 @@ def mesh_shape(world_size: int, dp_replicate: int = 1, dp_shard: int = -1) -> tu
     return (world_size,) if dp_replicate == 1 else (dp_replicate, dp_shard)
 
 
-def init_world(device_choice: str, dp_replicate: int = 1, dp_shard: int = -1) -> World:
+def init_world(device_choice: str, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1) -> World:
     """Join (or, for a plain ``python`` launch, create) the process group and the device mesh
     (:func:`mesh_shape` says which)."""
     device = resolve_device(device_choice)
@@ -92,7 +126,14 @@ def init_world(device_choice: str, dp_replicate: int = 1, dp_shard: int = -1) ->
             # the single-process run takes exactly the same FSDP2 code path as torchrun's.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     world_size = dist.get_world_size()
-    shape = mesh_shape(world_size, dp_replicate, dp_shard)
+    shape = mesh_shape(world_size, dp_replicate, dp_shard, tp)
+    if len(shape) == 3:
+        # One mesh, sliced: FSDP2 over the data-parallel slice of parameters that tensor
+        # parallelism made DTensors over the "tp" slice needs both to share their root.
+        names = ("dp_replicate", "dp_shard", "tp")
+        root = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        data_parallel = root["dp_shard"] if dp_replicate == 1 else root["dp_replicate", "dp_shard"]
+        return World(dist.get_rank(), world_size, local_rank, device, data_parallel, root["tp"])
     names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     return World(dist.get_rank(), world_size, local_rank, device, mesh)

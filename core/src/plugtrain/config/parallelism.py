@@ -1,4 +1,4 @@
-"""The [parallelism] section: how the ranks shard the model, FSDP over all of them or HSDP."""
+"""The [parallelism] section: how the ranks shard the model: FSDP, HSDP, tensor parallelism."""
 
 from __future__ import annotations
 
@@ -19,7 +19,13 @@ class ParallelismConfig:
     1: plain FSDP over all ranks."""
     dp_shard: int = -1
     """Ranks each copy of the model is sharded over (the GPUs of one node typically); -1: the
-    world size divided by ``dp_replicate``."""
+    world size divided by ``dp_replicate`` (and ``tp``)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split every projection's heads or hidden units and
+    train on the same data (the GPUs of one node typically). ``dp_replicate x dp_shard x tp``
+    is the world size. It must divide the heads, key/value heads, FFN hidden size and
+    ``training.seq_len`` (sequence parallelism splits the norms' tokens). 1: no tensor
+    parallelism."""
 
     def __post_init__(self) -> None:
         check_field(
@@ -30,3 +36,4 @@ class ParallelismConfig:
             "dp_shard",
             f"must be >= 1, or -1 for the rest of the ranks, got {self.dp_shard}",
         )
+        check_field(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")

@@ -1,4 +1,4 @@
-"""The model: a Llama-style transformer and its FSDP2 sharding."""
+"""The model: a Llama-style transformer, its FSDP2 sharding and tensor parallelism."""
 
 from typing import TYPE_CHECKING
 
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from plugtrain.model.sharding import build_model as build_model
     from plugtrain.model.sharding import replica_sync as replica_sync
     from plugtrain.model.sharding import reshard as reshard
+    from plugtrain.model.tensor_parallel import check_tensor_parallel as check_tensor_parallel
+    from plugtrain.model.tensor_parallel import parallel_cross_entropy as parallel_cross_entropy
     from plugtrain.model.transformer import KVCache as KVCache
     from plugtrain.model.transformer import Transformer as Transformer
     from plugtrain.model.transformer import cross_entropy as cross_entropy

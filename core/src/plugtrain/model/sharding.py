@@ -1,4 +1,4 @@
-"""The model as a run trains it: built on the meta device, sharded with FSDP2, then initialised."""
+"""The model as a run trains it: built on meta, tensor-parallel, FSDP2-sharded, initialised."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from plugtrain.model.tensor_parallel import parallelize
 from plugtrain.model.transformer import ModelArgs, Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,8 +85,10 @@ def build_model(
     seed: int,
     transform: Callable[[Transformer], None] | None = None,
     init_weights: bool = True,
+    tp_mesh: DeviceMesh | None = None,
 ) -> Transformer:
-    """Build on the meta device, ``transform`` it, shard, then materialise and initialise.
+    """Build on the meta device, ``transform`` it, split it over ``tp_mesh`` (tensor
+    parallelism, if given), shard it over ``mesh``, then materialise and initialise.
 
     ``transform`` (the plugins' model hooks) sees the unsharded model on the meta device and
     changes it in place. No rank ever holds the full model, and ``init_weights`` gives the same
@@ -96,6 +99,8 @@ def build_model(
         model = Transformer(args)
     if transform is not None:
         transform(model)
+    if tp_mesh is not None:
+        parallelize(model, tp_mesh)
     shard_model(model, mesh, param_dtype, reduce_dtype)
     model.to_empty(device=device)
     if init_weights:

@@ -13,7 +13,7 @@ import torch
 from plugtrain.distributed import all_reduce_mean
 from plugtrain.errors import PluginError
 from plugtrain.host import PluginHost
-from plugtrain.plugin import LossContext, StepContext
+from plugtrain.plugin import LossContext, StepContext, full_tensor
 
 
 class LossTerms:
@@ -54,7 +54,8 @@ class LossTerms:
                         f"{'' if not isinstance(value, torch.Tensor) else tuple(value.shape)}, "
                         "not a 0-d tensor: return the term's mean over the tokens"
                     )
-                terms[f"{plugin}/{key}"] = value / ctx.num_microbatches
+                # A term of tensor-parallel logits is a replicated DTensor: its local value.
+                terms[f"{plugin}/{key}"] = full_tensor(value) / ctx.num_microbatches
         for name in sorted(terms):
             term = terms[name]
             loss = loss + term

@@ -10,6 +10,7 @@ and from this package's ``optim`` (optimizer, LR schedule), ``vetoes``, ``loss_t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from plugtrain import sample
 from plugtrain.checkpoint import (
@@ -41,12 +43,15 @@ from plugtrain.data import (
     open_token_store,
 )
 from plugtrain.distributed import World, all_reduce_mean, init_world
+from plugtrain.errors import ConfigError
 from plugtrain.host import PluginHost
 from plugtrain.model import (
     DTYPES,
     Transformer,
     build_model,
+    check_tensor_parallel,
     cross_entropy,
+    parallel_cross_entropy,
     replica_sync,
     reshard,
 )
@@ -89,7 +94,9 @@ class Trainer:
     def __init__(self, config: JobConfig, host: PluginHost) -> None:
         self.config, self.host, self.hook = config, host, host.hook
         par = config.parallelism
-        self.world: World = init_world(config.training.device, par.dp_replicate, par.dp_shard)
+        self.world: World = init_world(
+            config.training.device, par.dp_replicate, par.dp_shard, par.tp
+        )
         setup_logging(self.world.rank, config.metrics.log_all_ranks)
         # Before anything is written to the folder; a second run must leave it untouched.
         self.dump_folder_lock = lock_dump_folder(config.job.dump_folder, self.world)
@@ -110,6 +117,12 @@ class Trainer:
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
         self.initial_load: InitialLoad | None = None
         """Where a fresh start's weights come from (checkpoint.initial_load_path), if anywhere."""
+        if config.checkpoint.initial_load_path and self.world.tp > 1:
+            raise ConfigError(
+                f"checkpoint.initial_load_path does not load under tensor parallelism yet "
+                f"(parallelism.tp = {self.world.tp}): start it with tp = 1, save a checkpoint "
+                "and resume that under tensor parallelism (checkpoints reshard)"
+            )
         if config.checkpoint.initial_load_path:
             # Checked first, so that a bad folder is refused before anything else is done.
             ignored = initial_load_ignored(config.checkpoint, config.job.dump_folder)
@@ -129,15 +142,15 @@ class Trainer:
             count_eval_batches(
                 self.val_data,
                 batch_size=train_cfg.batch_size,
-                world_size=self.world.world_size,
+                world_size=self.world.dp_size,
                 max_batches=config.validation.steps,
             )
         loader = StatefulBatchLoader(
             self.train_data,
             global_batch_size=train_cfg.batch_size,
             grad_accum_steps=train_cfg.grad_accum_steps,
-            rank=self.world.rank,
-            world_size=self.world.world_size,
+            rank=self.world.dp_rank,
+            world_size=self.world.dp_size,
             seed=train_cfg.seed,
             shuffle=config.data.shuffle,
         )
@@ -146,6 +159,11 @@ class Trainer:
             DevicePrefetcher(loader, self.device), self.control.skip_ranges
         )
         self.model_args = config.model.model_args(self.tokenizer.vocab_size, train_cfg.seq_len)
+        check_tensor_parallel(self.model_args, self.world.tp, train_cfg.seq_len)
+        # Under tensor parallelism the logits are sharded over the vocabulary: the loss (and its
+        # backward) is computed on the shards, inside loss_parallel.
+        self.loss_parallel = loss_parallel if self.world.tp > 1 else contextlib.nullcontext
+        self.cross_entropy = parallel_cross_entropy if self.world.tp > 1 else cross_entropy
         self.model = build_model(
             self.model_args,
             self.world.mesh,
@@ -155,6 +173,7 @@ class Trainer:
             train_cfg.seed,
             transform=self._transform_model,
             init_weights=self.initial_load is None,
+            tp_mesh=self.world.tp_mesh,
         )
         self.params = tuple(self.model.parameters())
         """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
@@ -276,7 +295,7 @@ class Trainer:
             model=model,
             blocks=tuple(model.layers),
             norm=model.norm,
-            loss_fn=cross_entropy,
+            loss_fn=self.cross_entropy,
             device=self.device,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
@@ -348,23 +367,24 @@ class Trainer:
         )
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
-        for ctx.microbatch, microbatch in enumerate(batch):
-            inputs, targets = microbatch.inputs, microbatch.targets
-            logits = self.model(inputs, **microbatch.model_inputs())
-            loss = self.loss_fn(logits, targets) / ctx.num_microbatches
-            loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
-            if self.loss_terms is not None:  # only in runs where a plugin implements the hook
-                terms = self.host.results(
-                    "loss_terms", ctx=self.loss_terms.context(ctx, logits, targets)
-                )
-                loss = self.loss_terms.added_to(loss, terms, ctx)
-            del logits  # freed before backward, as the graph keeps only what it needs
-            ctx.loss = loss
-            lap("fwd_bwd")
-            self.hook.pre_backward(ctx=ctx)
-            lap("hooks")
-            self.sync_replicas(ctx.microbatch == ctx.num_microbatches - 1)
-            ctx.loss.backward()
+        with self.loss_parallel():  # nothing without tensor parallelism
+            for ctx.microbatch, microbatch in enumerate(batch):
+                inputs, targets = microbatch.inputs, microbatch.targets
+                logits = self.model(inputs, **microbatch.model_inputs())
+                loss = self.loss_fn(logits, targets) / ctx.num_microbatches
+                loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
+                if self.loss_terms is not None:  # only in runs where a plugin implements the hook
+                    terms = self.host.results(
+                        "loss_terms", ctx=self.loss_terms.context(ctx, logits, targets)
+                    )
+                    loss = self.loss_terms.added_to(loss, terms, ctx)
+                del logits  # freed before backward, as the graph keeps only what it needs
+                ctx.loss = loss
+                lap("fwd_bwd")
+                self.hook.pre_backward(ctx=ctx)
+                lap("hooks")
+                self.sync_replicas(ctx.microbatch == ctx.num_microbatches - 1)
+                ctx.loss.backward()
         lap("fwd_bwd")
         self.hook.unscale_gradients(ctx=ctx)
         self.hook.observe_gradients(ctx=ctx)
@@ -513,15 +533,16 @@ class Trainer:
         for microbatch in iter_eval_batches(
             self.val_data,
             batch_size=self.config.training.batch_size,
-            rank=self.world.rank,
-            world_size=self.world.world_size,
+            rank=self.world.dp_rank,
+            world_size=self.world.dp_size,
             max_batches=self.config.validation.steps,
         ):
             microbatch = microbatch.to(self.device)
             targets = microbatch.targets
             # The training forward's masking and positions: the same loss for the same text.
-            logits = self.model(microbatch.inputs, **microbatch.model_inputs())
-            loss = cross_entropy(logits, targets)
+            with self.loss_parallel():
+                logits = self.model(microbatch.inputs, **microbatch.model_inputs())
+                loss = self.cross_entropy(logits, targets)
             total[0] += loss
             total[1] += 1
             scored[0] += loss.double() * targets.numel()

@@ -1,0 +1,175 @@
+"""Tensor parallelism (``parallelism.tp``): TP 2 on 2 processes against 1 process with the
+shipped plugins in fp16, an inf on one rank, checkpoints across the layouts, and refused
+degrees.
+
+The multi-process checks share one 2-process launch through a module-scoped fixture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from plugtrain.distributed import mesh_shape
+from plugtrain.errors import ConfigError
+from plugtrain.model import FLAVORS, check_tensor_parallel
+from plugtrain.testing import (
+    InjectInf,
+    make_trainer,
+    max_difference,
+    metrics_by_step,
+    run_distributed,
+)
+
+STEPS, SAVED, INF_STEP = 10, 8, 4
+TP2 = ("--parallelism.tp", "2")
+RUN = (
+    "--training.mixed_precision_param", "float16",
+    "--plugins.enabled", "grad_clip,grad_scaler,spike_guard,ema,z_loss,activation_checkpointing",
+    "--grad_clip.max_norm", "0.5",
+    "--grad_scaler.init_scale", "1024",
+    "--spike_guard.warmup_steps", "3",
+    "--checkpoint.enable", "true",
+    "--checkpoint.interval", str(SAVED),
+    "--validation.interval", str(STEPS),
+    "--validation.steps", "1",
+)  # fmt: skip
+"""fp16 with every shipped plugin that reduces (grad_clip's norm, grad_scaler's inf flag,
+spike_guard's loss, z_loss's term of the vocabulary-sharded logits, ema's average) and
+activation checkpointing, on the tiny model (4 heads, 2 key/value heads: 2 and 1 per rank)."""
+COMPARED = (
+    "loss",
+    "grad_clip/grad_norm",
+    "grad_scaler/loss_scale",
+    "spike_guard/window_mean.loss",
+    "z_loss/z_loss",
+    "validation_loss",
+    "ema/validation_loss",
+)
+TOLERANCE = 1e-4
+"""Measured max differences (fp16 compute, fp32 reduce) against 1 process: TP 2 ..."""
+
+
+def train(folder: Path, *args: str, inf_rank: int | None = None) -> int:
+    """Train ``RUN`` + ``args`` (inf in ``inf_rank``'s gradients at ``INF_STEP``); this rank's
+    skipped steps."""
+    plugins = [("inject", InjectInf(steps={INF_STEP}, ranks={inf_rank}))]
+    trainer = make_trainer(folder, *RUN, *args, steps=STEPS, plugins=plugins)
+    trainer.run()
+    return int(trainer.host.get("grad_scaler").skipped_steps)
+
+
+def copy_checkpoint(written: Path, resumed: Path) -> None:
+    """Copy run ``written``'s step-``SAVED`` checkpoint into the new dump folder ``resumed``."""
+    step = f"checkpoints/step-{SAVED}"
+    shutil.copytree(written / step, resumed / step)
+
+
+def two_ranks(base: str) -> dict:
+    """On each of 2 ranks: TP 2 with an inf in rank 1's gradients; then the 1-process run's
+    checkpoint resumed under TP 2."""
+    root = Path(base)
+    skipped = train(root / "tp2", *TP2, inf_rank=1)
+    if dist.get_rank() == 0:
+        copy_checkpoint(root / "one", root / "one_to_tp2")
+    dist.barrier()
+    train(root / "one_to_tp2", *TP2)
+    return {"skipped": skipped}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("tp")
+    one = train(base / "one", inf_rank=0)
+    ranks = run_distributed(two_ranks, 2, str(base))
+    copy_checkpoint(base / "tp2", base / "tp2_to_one")
+    train(base / "tp2_to_one")
+    names = ("one", "tp2", "one_to_tp2", "tp2_to_one")
+    return {
+        "one": one,
+        "ranks": ranks,
+        "metrics": {name: metrics_by_step(base / name) for name in names},
+    }
+
+
+@pytest.mark.slow
+def test_tp2_matches_one_process_with_the_plugins(runs):
+    m = runs["metrics"]
+    steps = range(1, STEPS + 1)
+    assert all(k in m["tp2"][STEPS] for k in COMPARED), sorted(m["tp2"][STEPS])
+    assert not any(math.isnan(m["tp2"][s]["loss"]) for s in steps)
+    losses = max_difference(m["tp2"], m["one"], steps, ["loss"])
+    norms = max_difference(m["tp2"], m["one"], steps, ["grad_clip/grad_norm"])
+    every = max_difference(m["tp2"], m["one"], steps, COMPARED)
+    print(f"TP 2 vs 1 process: losses {losses:.3g}, clipped norms {norms:.3g}, all {every:.3g}")
+    assert every < TOLERANCE, f"TP 2 vs 1 process: max difference {every:.3g}"
+    assert m["tp2"][STEPS]["grad_clip/grad_norm"] > 0.5  # clipping was active
+
+
+@pytest.mark.slow
+def test_an_inf_on_one_rank_skips_the_step_on_both(runs):
+    m = runs["metrics"]
+    assert runs["one"] == 1
+    assert [r["skipped"] for r in runs["ranks"]] == [1, 1]
+    assert m["tp2"][INF_STEP]["skipped_steps"] == 1
+    assert m["tp2"][INF_STEP - 1]["skipped_steps"] == 0
+    halved = m["tp2"][INF_STEP]["grad_scaler/loss_scale"]
+    assert halved == m["one"][INF_STEP]["grad_scaler/loss_scale"] == 512.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resumed, written", [("tp2_to_one", "tp2"), ("one_to_tp2", "one")])
+def test_a_checkpoint_resumes_across_tensor_parallelism(runs, resumed, written):
+    m = runs["metrics"]
+    assert min(m[resumed]) == SAVED + 1  # resumed, not trained from scratch
+    difference = max_difference(m[resumed], m[written], range(SAVED + 1, STEPS + 1), COMPARED)
+    assert difference < TOLERANCE, f"{resumed}: max difference {difference:.3g}"
+
+
+@pytest.mark.parametrize(
+    "world, replicate, shard, tp, shape",
+    [(2, 1, -1, 2, (1, 1, 2)), (4, 1, -1, 2, (1, 2, 2)), (16, 2, -1, 4, (2, 2, 4))],
+)
+def test_mesh_shapes_with_tensor_parallelism(world, replicate, shard, tp, shape):
+    assert mesh_shape(world, replicate, shard, tp) == shape
+
+
+def test_a_tp_that_does_not_divide_the_world_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ConfigError) as refused:
+        make_trainer(tmp_path / "run", *TP2)
+    assert str(refused.value) == (
+        "parallelism.tp = 2 does not divide the world size 1: launch a multiple of 2 "
+        "processes, or set tp to a divisor of 1"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+TINY = FLAVORS["tiny"]  # 4 heads, 2 key/value heads, FFN 96
+
+
+@pytest.mark.parametrize(
+    "tp, args, seq_len, culprit",
+    [
+        (3, TINY, 32, "model.n_heads = 4"),
+        (4, TINY, 32, "model.n_kv_heads = 2"),
+        (2, dataclasses.replace(TINY, ffn_dim=33), 32, "the FFN hidden size (model.ffn_dim) = 33"),
+        (2, TINY, 31, "training.seq_len = 31"),
+    ],
+)
+def test_degrees_the_model_cannot_split_are_refused(tp, args, seq_len, culprit):
+    with pytest.raises(ConfigError) as refused:
+        check_tensor_parallel(args, tp, seq_len)
+    message = str(refused.value)
+    assert message.startswith(f"parallelism.tp = {tp} does not divide {culprit}: "), message
+    assert "\n" not in message
+
+
+def test_tied_embeddings_are_refused_under_tensor_parallelism():
+    with pytest.raises(ConfigError, match="tie_embeddings = true is not supported yet"):
+        check_tensor_parallel(dataclasses.replace(TINY, tie_embeddings=True), 2, 32)
+    check_tensor_parallel(dataclasses.replace(TINY, tie_embeddings=True), 1, 31)  # no TP: fine
