@@ -59,6 +59,7 @@ __all__ = [
     "local_tensor",
     "read_task",
     "reduce_over_replicas",
+    "refuse_tensor_parallel",
     "score",
     "total_norm",
     "wrap_forward",
@@ -370,6 +371,18 @@ def reduce_over_replicas(value: torch.Tensor, like: torch.Tensor) -> torch.Tenso
         if placement.is_replicate() and group.size() > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return value
+
+
+def refuse_tensor_parallel(config: JobConfig, name: str) -> None:
+    """Refuse, in one line, to run plugin ``name`` under tensor parallelism
+    (``parallelism.tp > 1``): for a plugin that does not handle it yet. Call it where the
+    plugin first sees the config (``setup``, or a model hook), so the run stops before step 1."""
+    tp = config.parallelism.tp
+    if tp > 1:
+        raise ConfigError(
+            f"plugin '{name}' does not run under tensor parallelism yet (parallelism.tp = {tp}): "
+            f"remove '{name}' from plugins.enabled, or set parallelism.tp = 1"
+        )
 
 
 def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:

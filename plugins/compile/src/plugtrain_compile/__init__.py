@@ -22,7 +22,14 @@ from typing import Any, Literal
 
 import torch
 
-from plugtrain.plugin import ConfigError, ModelContext, check_field, hookimpl, wrap_forward
+from plugtrain.plugin import (
+    ConfigError,
+    ModelContext,
+    check_field,
+    hookimpl,
+    refuse_tensor_parallel,
+    wrap_forward,
+)
 
 __all__ = ["Compile", "CompileConfig", "cpp_compiler"]
 
@@ -78,6 +85,7 @@ class Compile:
         config: CompileConfig = ctx.plugin_config(self)
         ctx.register_compiler(self)
         name = ctx.name_of(self)
+        refuse_tensor_parallel(ctx.config, name)  # compiling DTensor blocks: not tested yet
         on_cpu = config.backend == "inductor" and ctx.device.type == "cpu"
         if on_cpu and shutil.which(cpp_compiler()) is None:
             raise ConfigError(

@@ -21,6 +21,7 @@ from plugtrain.plugin import (
     encode_tasks,
     hookimpl,
     read_task,
+    refuse_tensor_parallel,
     score,
 )
 
@@ -62,6 +63,8 @@ class DownstreamEval:
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
         self.config = cfg = ctx.plugin_config(self)
+        # Scoring reads whole logits and splits the items over every rank, not the data ranks.
+        refuse_tensor_parallel(ctx.config, ctx.name_of(self))
         if not ctx.config.validation.interval:
             ctx.deactivate(self, "validation.interval is 0: no validation to score tasks at")
             return

@@ -21,6 +21,7 @@ from plugtrain.plugin import (
     check_field,
     complete,
     hookimpl,
+    refuse_tensor_parallel,
 )
 
 __all__ = ["Samples", "SamplesConfig"]
@@ -66,6 +67,7 @@ class Samples:
     def setup(self, ctx: SetupContext) -> None:
         self.config = ctx.plugin_config(self)
         self.name, self.rank = ctx.name_of(self), ctx.rank
+        refuse_tensor_parallel(ctx.config, self.name)  # decoding reads whole logits
         self.model, self.tokenizer = ctx.model, ctx.tokenizer
         if not ctx.config.validation.interval:
             reason = "validation.interval is 0: no validation to write samples at"
