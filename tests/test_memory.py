@@ -25,9 +25,12 @@ context, NCCL's buffers, the allocator's fragmentation)."""
 
 
 def intended_world_size(config: Path) -> int:
-    """The processes the config is written for: its header's ``--nproc_per_node=N``, else 1."""
-    found = re.search(r"--nproc_per_node=(\d+)", config.read_text())
-    return int(found.group(1)) if found else 1
+    """The processes the config is written for: its header's ``--nproc_per_node=N`` (times
+    ``--nnodes=M``), else 1."""
+    text = config.read_text()
+    found = re.search(r"--nproc_per_node=(\d+)", text)
+    nodes = re.search(r"--nnodes=(\d+)", text)
+    return (int(found.group(1)) if found else 1) * (int(nodes.group(1)) if nodes else 1)
 
 
 def estimate_of(config: Path, *overrides: str, world_size: int | None = None) -> int:
@@ -68,6 +71,27 @@ def test_the_parts_follow_the_sharding_and_the_microbatch():
     assert parts(8, "full")["activations"] < eight["activations"] < parts(8, "none")["activations"]
     plain = parts(1, param_dtype="float32", reduce_dtype="float32")
     assert plain["gathered"] == 0 < one["gathered"]
+
+
+def test_tensor_parallelism_splits_the_gathered_blocks_activations_and_logits():
+    args = FLAVORS["70B"]
+    run = dict(microbatch=1, seq_len=8192, param_dtype="bfloat16", reduce_dtype="float32")
+
+    def parts(tp: int, mode: str) -> dict[str, int]:
+        estimate = estimate_memory(
+            args, world_size=64, checkpointing=Checkpointing(mode), tp=tp, **run
+        )
+        return {name: nbytes for name, nbytes, _ in estimate.parts}
+
+    fsdp, tp8 = parts(1, "op"), parts(8, "op")
+    assert tp8["parameters"] == fsdp["parameters"]  # 1/64 of the model either way
+    assert tp8["gathered"] == fsdp["gathered"] // 8
+    assert tp8["logits"] == fsdp["logits"] // 8
+    # All but the recomputed block's gathered norm outputs are split.
+    assert tp8["activations"] == pytest.approx(fsdp["activations"] / 8, rel=0.02)
+    # Without checkpointing each rank keeps the norms' outputs all-gathered: not all split.
+    assert parts(8, "none")["activations"] > parts(1, "none")["activations"] / 8
+    assert intended_world_size(LLAMA3_8B.with_name("llama3_70b.toml")) == 64
 
 
 ARGS = FLAVORS["debug"]
@@ -122,7 +146,7 @@ def test_plugtrain_estimate_prints_a_table_and_a_total(capsys):
 def test_plugtrain_estimate_names_a_batch_that_does_not_divide(capsys):
     assert main(["estimate", str(LLAMA3_8B.with_name("debug.toml")), "--gpus", "3"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "plugtrain: error: training.batch_size 8 is not divisible by world_size * "
+        "plugtrain: error: training.batch_size 8 is not divisible by data-parallel ranks * "
         "grad_accum_steps = 3 * 1 = 3: set training.batch_size to a multiple of 3 or change "
         "grad_accum_steps"
     )

@@ -4,7 +4,7 @@
   plugtrain plugins [--config FILE] [--plugins.enabled NAMES]  # installed plugins, their hooks
   plugtrain plot RUN_DIR [RUN_DIR ...] [-o metrics.png]        # draw and compare runs
   plugtrain prepare-data INPUT [INPUT ...] -o OUT --tokenizer FILE  # tokenize a corpus once
-  plugtrain estimate CONFIG [--gpus N] [--section.key VALUE ...]  # memory each GPU needs
+  plugtrain estimate CONFIG [--gpus N] [--tp T] [--section.key VALUE ...]  # memory per GPU
   plugtrain export-hf PATH -o OUT [--dtype auto] [--weights model|ema]  # Hugging Face folder
   plugtrain generate PATH --prompt TEXT                        # what a saved model writes
   plugtrain eval PATH --tasks FILE [FILE ...] [-o scores.json]  # downstream tasks' accuracy
@@ -104,7 +104,8 @@ def print_estimate(args: argparse.Namespace, overrides: list[str]) -> None:
     """Print the memory estimate of ``args.config`` (with ``overrides``) on ``args.gpus``."""
     from plugtrain.training import estimate_run  # lazy: only this command needs it
 
-    configured = configure(["--config", args.config, *overrides])
+    tp = [] if args.tp is None else ["--parallelism.tp", str(args.tp)]
+    configured = configure(["--config", args.config, *tp, *overrides])
     assert configured is not None  # no --help among the overrides: argparse took it
     print(estimate_run(configured[0], args.gpus).table())
 
@@ -272,6 +273,9 @@ def command(argv: list[str]) -> int:
     )
     estimate.add_argument("config", metavar="CONFIG", help="a TOML config")
     estimate.add_argument("--gpus", type=int, default=1, help="processes in all (default 1)")
+    estimate.add_argument(
+        "--tp", type=int, help="tensor-parallel degree (default: the config's parallelism.tp)"
+    )
     export = sub.add_parser(
         "export-hf",
         help="write a checkpoint as a Hugging Face Llama folder (safetensors, config, tokenizer)",
@@ -304,6 +308,8 @@ def command(argv: list[str]) -> int:
     if args.command == "estimate":
         if args.gpus < 1:
             parser.error(f"--gpus must be >= 1, got {args.gpus}")
+        if args.tp is not None and args.tp < 1:
+            parser.error(f"--tp must be >= 1, got {args.tp}")
         return run_cli(lambda: print_estimate(args, rest))
     # Only plugins (and estimate, above) take config overrides; the others their options only.
     if rest and args.command != "plugins":

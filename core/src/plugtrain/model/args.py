@@ -228,6 +228,19 @@ FLAVORS: dict[str, ModelArgs] = {
         rope_theta=500000.0,
         max_seq_len=8192,
     ),
+    # Llama 3 70B: past one 80 GB GPU's share under FSDP alone at long sequences; see
+    # configs/llama3_70b.toml for tensor parallelism within each node.
+    "70B": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=_LLAMA3_VOCAB,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
 }
 
 

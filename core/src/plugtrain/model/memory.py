@@ -76,17 +76,21 @@ class Checkpointing:
         }[self.mode]
 
 
-def layer_bytes_per_token(args: ModelArgs, compute_bytes: int, mode: str) -> int:
+def layer_bytes_per_token(args: ModelArgs, compute_bytes: int, mode: str, tp: int = 1) -> int:
     """Bytes one block keeps for backward per token, by checkpointing mode: ``none``,
-    ``full`` or ``op`` (the module docstring derives each from the block's ops)."""
+    ``full`` or ``op`` (the module docstring derives each from the block's ops), on each of
+    ``tp`` tensor-parallel ranks."""
     d, p, h = args.dim, compute_bytes, args.ffn_hidden_dim
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     if mode == "full":
-        return p * d
+        return p * d // tp
     if mode == "op":
-        return p * (3 * d + 2 * q + 2 * kv + 2 * h) + 4 * args.n_heads
-    norms = 2 * (4 * d + 4 + 2 * p * d)
-    return norms + p * (2 * q + 2 * kv) + 4 * args.n_heads + 4 * p * h
+        return (p * (3 * d + 2 * q + 2 * kv + 2 * h) + 4 * args.n_heads) // tp
+    norms = 2 * (4 * d + 4 + 2 * p * d) // tp
+    # Under tensor parallelism the two projections' inputs are the norms' outputs all-gathered
+    # over the sequence: each rank keeps both whole.
+    gathered = 2 * p * d if tp > 1 else 0
+    return norms + gathered + (p * (2 * q + 2 * kv) + 4 * args.n_heads + 4 * p * h) // tp
 
 
 def _root_params(args: ModelArgs) -> int:
@@ -144,28 +148,35 @@ def estimate_memory(
     reduce_dtype: str,
     checkpointing: Checkpointing,
     dp_replicate: int = 1,
+    tp: int = 1,
 ) -> MemoryEstimate:
     """The bytes each of ``world_size`` processes holds at a step's peak, training ``args`` on
     microbatches of ``microbatch`` sequences of ``seq_len`` tokens (dtypes by config name); the
-    model is sharded over ``world_size / dp_replicate`` of them (HSDP keeps that many copies)."""
+    model is sharded over ``world_size / dp_replicate`` of them (HSDP keeps that many copies).
+
+    Under tensor parallelism (``tp > 1``) those ranks are ``tp`` splitting each tensor times
+    the FSDP ranks sharding the splits (the norms, replicated over ``tp``, are counted split
+    too: a few vectors); FSDP gathers the splits only; the activations and logits of a
+    microbatch are split over ``tp`` but for the norms' all-gathered outputs."""
     p, r = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
     n, tokens = args.num_params(), microbatch * seq_len
-    sharded = needs_sharding(world_size, DTYPES[param_dtype], DTYPES[reduce_dtype])
+    sharded = tp > 1 or needs_sharding(world_size, DTYPES[param_dtype], DTYPES[reduce_dtype])
     ranks = world_size // dp_replicate if sharded else 1
     where = f"fp32, 1/{ranks} of the model each" if sharded else "fp32, not sharded"
     block, out_proj = _block_params(args), args.vocab_size * args.dim
     gathered = 0
-    if sharded:
+    if needs_sharding(world_size // tp, DTYPES[param_dtype], DTYPES[reduce_dtype]):
         gathered = p * (_root_params(args) + 2 * block + out_proj + block)
         gathered += r * block if r != p else 0
-    per_layer = {mode: layer_bytes_per_token(args, p, mode) for mode in ("none", "full", "op")}
+        gathered //= tp
+    per_layer = {m: layer_bytes_per_token(args, p, m, tp) for m in ("none", "full", "op")}
     if checkpointing.mode == "layer":
         full = args.n_layers // checkpointing.every
         kept = full * per_layer["full"] + (args.n_layers - full) * per_layer["none"]
     else:
         kept = args.n_layers * per_layer[checkpointing.mode]
     recompute = 0 if checkpointing.mode == "none" else per_layer["none"]
-    final_norm = 4 * args.dim + 4 + 2 * p * args.dim
+    final_norm = (4 * args.dim + 4 + 2 * p * args.dim) // tp
     return MemoryEstimate(
         parts=(
             ("parameters", math.ceil(n / ranks) * 4, where),
@@ -183,8 +194,13 @@ def estimate_memory(
                 tokens * (kept + final_norm + recompute),
                 f"{args.n_layers} blocks x {tokens} tokens, {checkpointing.describe()}",
             ),
-            ("logits", tokens * args.vocab_size * 12, "3 fp32 [tokens, vocab] in the loss"),
+            (
+                "logits",
+                tokens * args.vocab_size * 12 // tp,
+                "3 fp32 [tokens, vocab] in the loss" + (f", split over tp {tp}" if tp > 1 else ""),
+            ),
         ),
-        setting=f"{world_size} process(es), microbatch {microbatch} x {seq_len} tokens, "
-        f"{param_dtype} compute",
+        setting=f"{world_size} process(es)"
+        + (f" (tp {tp} x {world_size // tp} data-parallel)" if tp > 1 else "")
+        + f", microbatch {microbatch} x {seq_len} tokens, {param_dtype} compute",
     )

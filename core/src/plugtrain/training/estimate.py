@@ -15,7 +15,12 @@ from plugtrain.config import JobConfig
 from plugtrain.data import Tokenizer
 from plugtrain.distributed import mesh_shape
 from plugtrain.errors import ConfigError
-from plugtrain.model import Checkpointing, MemoryEstimate, estimate_memory
+from plugtrain.model import (
+    Checkpointing,
+    MemoryEstimate,
+    check_tensor_parallel,
+    estimate_memory,
+)
 
 __all__ = ["checkpointing_of", "estimate_run"]
 
@@ -50,13 +55,14 @@ def estimate_run(
     """
     train, par = config.training, config.parallelism
     # Degrees a run on world_size processes would refuse are refused here too.
-    shape = mesh_shape(world_size, par.dp_replicate, par.dp_shard)
-    replicas = shape[0] if len(shape) == 2 else 1
-    parts = world_size * train.grad_accum_steps
+    shape = mesh_shape(world_size, par.dp_replicate, par.dp_shard, par.tp)
+    replicas = shape[0] if len(shape) > 1 else 1
+    data_ranks = world_size // par.tp  # a tp group's ranks read the same batches
+    parts = data_ranks * train.grad_accum_steps
     if train.batch_size % parts:
         raise ConfigError(
-            f"training.batch_size {train.batch_size} is not divisible by world_size * "
-            f"grad_accum_steps = {world_size} * {train.grad_accum_steps} = {parts}: set "
+            f"training.batch_size {train.batch_size} is not divisible by data-parallel ranks * "
+            f"grad_accum_steps = {data_ranks} * {train.grad_accum_steps} = {parts}: set "
             f"training.batch_size to a multiple of {parts} or change grad_accum_steps"
         )
     whose = ""
@@ -65,6 +71,7 @@ def estimate_run(
     if vocab_size is None and config.model.flavor != "hf":
         whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
     args = config.model.model_args(vocab_size, train.seq_len)
+    check_tensor_parallel(args, par.tp, train.seq_len)
     estimate = estimate_memory(
         args,
         world_size=world_size,
@@ -74,6 +81,7 @@ def estimate_run(
         reduce_dtype=train.mixed_precision_reduce,
         checkpointing=checkpointing_of(config),
         dp_replicate=replicas,
+        tp=par.tp,
     )
     setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"
     return dataclasses.replace(estimate, setting=setting)
