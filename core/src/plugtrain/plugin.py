@@ -183,7 +183,9 @@ class SetupContext:
     parameter is sharded within a row and the rows hold equal copies. Every rank trains on its
     own data: reduce a value computed from the data (a loss) over :func:`data_parallel_group`;
     a value of the gradients or parameters with DTensor ops (:func:`total_norm`), which reduce
-    over the shards only, not over the replicas' equal copies."""
+    over the shards only, not over the replicas' equal copies. Under tensor parallelism
+    (``parallelism.tp > 1``) it holds the ranks that share this rank's place in its ``tp``
+    group, which train on the same data; the parameters' own meshes add a ``"tp"`` dimension."""
     rank: int
     world_size: int
     name_of: Callable[[object], str] = field(repr=False)
@@ -350,15 +352,18 @@ Metrics = Mapping[str, MetricValue]
 
 def data_parallel_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """The process group of all of ``mesh``'s ranks, over every dimension: the ranks that train
-    on different data, over which a value computed from the data (a loss) is reduced. Call it
-    on every rank at once (in ``setup``): on a 2-D mesh its first call creates the group."""
+    on different data, over which a value computed from the data (a loss) is reduced; its
+    ``size()`` is how many (under tensor parallelism, fewer than the world size: a ``tp``
+    group trains on the same data). Call it on every rank at once (in ``setup``): on a 2-D mesh
+    its first call creates the group."""
     return mesh.get_group() if mesh.ndim == 1 else mesh._flatten("dp").get_group()
 
 
 def reduce_over_replicas(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """All-reduce ``value`` in place with max over the mesh dimensions where DTensor ``like``
-    is replicated (HSDP's ``dp_replicate``); return it. A no-op for a plain tensor ``like`` and
-    under FSDP (no such dimension): no collective.
+    is replicated (HSDP's ``dp_replicate``, tensor parallelism's ``tp`` for a norm's weight);
+    return it. A no-op for a plain tensor ``like`` and under FSDP (no such dimension): no
+    collective.
 
     DTensor ops reduce a gradient's values over its shards only, since the replicas hold equal
     copies after FSDP2's all-reduce. A flag every rank must act on together (skip the step) is
