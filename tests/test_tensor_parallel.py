@@ -14,14 +14,17 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from plugtrain_compile import Compile
 from plugtrain_downstream_eval import DownstreamEval
 from plugtrain_samples import Samples
 
+from plugtrain.checkpoint import export_checkpoint
 from plugtrain.distributed import mesh_shape
 from plugtrain.errors import ConfigError
-from plugtrain.model import FLAVORS, check_tensor_parallel
+from plugtrain.model import FLAVORS, check_tensor_parallel, to_hf
+from plugtrain.plugin import full_tensor
 from plugtrain.testing import (
     InjectInf,
     make_trainer,
@@ -106,6 +109,7 @@ def runs(tmp_path_factory) -> dict:
     train(base / "tp2_to_one")
     names = ("one", "tp2", "tp2_fsdp2", "one_to_tp2", "tp2_to_one")
     return {
+        "base": base,
         "one": one,
         "ranks": ranks,
         "four": four,
@@ -149,6 +153,31 @@ def test_a_checkpoint_resumes_across_tensor_parallelism(runs, resumed, written):
     difference = max_difference(m[resumed], m[written], range(SAVED + 1, STEPS + 1), COMPARED)
     print(f"{resumed} vs {written}: max difference {difference:.3g}")
     assert difference < TOLERANCE, f"{resumed}: max difference {difference:.3g}"
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_exports_the_weights_it_resumes_with(runs):
+    """export-hf reads TP 2's DCP files one tensor at a time: the tensors a 1-process resume
+    of the same checkpoint loads (resharded by DCP), bit for bit."""
+    from safetensors.torch import load_file
+
+    base = runs["base"]
+    out = base / "tp2_hf"
+    export_checkpoint(base / "tp2" / f"checkpoints/step-{SAVED}", out, dtype=torch.float32)
+    exported = load_file(out / "model.safetensors")
+    copy_checkpoint(base / "tp2", base / "tp2_loaded")
+    trainer = make_trainer(base / "tp2_loaded", *RUN, steps=STEPS)
+    try:
+        assert trainer.step == SAVED
+        loaded = dict(
+            to_hf(name, full_tensor(tensor), trainer.model_args)
+            for name, tensor in trainer.model.state_dict().items()
+        )
+    finally:
+        trainer.abort()
+    assert exported.keys() == loaded.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, loaded[name]), name
 
 
 @pytest.mark.parametrize(
