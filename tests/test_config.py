@@ -62,7 +62,7 @@ def test_config_names_a_shipped_config_from_any_folder(tmp_path, monkeypatch):
         merged_values(parse_command_line(["--config", "debgu"]))
     assert str(e.value) == (
         "config file 'debgu' not found: pass an existing file to --config, or the name of a "
-        "shipped config (debug, llama3_8b)"
+        "shipped config (debug, llama3_70b, llama3_8b)"
     )
 
 
@@ -256,7 +256,7 @@ def test_help_lists_the_choices_of_fields_with_fixed_choices():
     assert "  --ch.limit (int or None; default None)" in lines
     assert "  --ch.names (list of str; default [])" in lines
     assert "  --training.device (one of 'auto', 'cpu', 'cuda'; default 'auto')" in lines
-    flavors = "'tiny', 'debug', '1B', '3B', '8B', 'hf'"
+    flavors = "'tiny', 'debug', '1B', '3B', '8B', '70B', 'hf'"
     assert f"  --model.flavor (one of {flavors}; default 'debug')" in lines
 
 
