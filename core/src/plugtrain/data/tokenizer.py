@@ -83,6 +83,12 @@ class Tokenizer:
         """Token ids of ``text``, without special tokens."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text``, without added special tokens (special tokens written in the
+        text are recognised), and each token's character span ``(start, end)`` in it."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens, encoded in parallel by the library.
 

@@ -22,7 +22,9 @@ from plugtrain import sample
 from plugtrain.model import ModelArgs, hf_config
 
 __all__ = [
+    "CHAT_TEMPLATES",
     "HF_VARIANTS",
+    "hf_chat_tokenizer",
     "hf_llama_config",
     "hf_llama_folder",
     "hf_llama_logits",
@@ -35,6 +37,68 @@ HF_VARIANTS: tuple[Variant, ...] = ("plain", "tied", "scaled")
 embeddings (Llama 3.2 1B/3B, SmolLM); ``scaled``: Llama 3.1's ``llama3`` RoPE scaling over an
 original context of 64 positions, so that sequences of 128 tokens see every regime (kept,
 interpolated and divided frequencies)."""
+
+
+CHAT_TEMPLATES: dict[str, str] = {
+    "llama3": (
+        "{{- bos_token }}\n"
+        "{%- for message in messages %}\n"
+        "    {%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
+        "        {{- raise_exception('unknown role ' + message['role']) }}\n"
+        "    {%- endif %}\n"
+        "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}\n"
+        "    {{- message['content'] | trim + '<|eot_id|>' }}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}\n"
+        "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+        "{%- endif %}\n"
+    ),
+    "chatml": (
+        "{% for message in messages %}\n"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' }}\n"
+        "{% endfor %}\n"
+        "{% if add_generation_prompt %}\n"
+        "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+}
+"""Chat templates of two families, written for the tests: Llama 3's layout (a BOS, role headers,
+``<|eot_id|>`` after each turn, contents trimmed) and ChatML's (``<|im_start|>role``, a newline
+after each ``<|im_end|>``: the template's line breaks that ``trim_blocks`` keeps)."""
+CHAT_TOKENS = (
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+)
+"""The special tokens :func:`hf_chat_tokenizer` adds to the sample's 2048: ids 2048 to 2052."""
+
+
+def hf_chat_tokenizer(
+    path: str | os.PathLike[str], style: str = "llama3", *, in_config: bool = False
+) -> Path:
+    """Save the sample tokenizer plus :data:`CHAT_TOKENS`, with the chat template
+    ``CHAT_TEMPLATES[style]``, to folder ``path`` with transformers' ``save_pretrained``
+    (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``); ``in_config``
+    moves the template into tokenizer_config.json's ``chat_template``, the older layout.
+    Returns ``path``."""
+    import tokenizers
+    import transformers
+
+    raw = tokenizers.Tokenizer.from_file(str(sample.resolve("sample:tokenizer.json")))
+    raw.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in CHAT_TOKENS])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+    )
+    fast.chat_template = CHAT_TEMPLATES[style]
+    path = Path(path)
+    fast.save_pretrained(path)
+    if in_config:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        config["chat_template"] = (path / "chat_template.jinja").read_text()
+        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (path / "chat_template.jinja").unlink()
+    return path
 
 
 def hf_llama_config(variant: Variant = "plain", **overrides: Any) -> dict[str, Any]:

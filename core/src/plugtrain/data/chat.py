@@ -1,0 +1,227 @@
+"""Chat data: conversations checked, rendered with a chat template, and their assistant tokens.
+
+A conversation is a JSON list of messages ``{"role": ..., "content": ...}``. It is rendered to
+text by the model's chat template (``chat_template.jinja`` or ``tokenizer_config.json``'s
+``chat_template`` next to the tokenizer.json, else :data:`DEFAULT_TEMPLATE`), with jinja2
+configured as transformers configures it (a sandboxed environment, ``trim_blocks`` and
+``lstrip_blocks``, ``raise_exception``, the special tokens as variables), then tokenized
+without added special tokens: the ids are those of transformers'
+``tokenizer.apply_chat_template(messages, tokenize=True)`` (tests check it).
+
+Which tokens are the assistant's (the only ones trained on by default) is found by rendering
+incrementally rather than by a ``{% generation %}`` marker, which few templates have: assistant
+message ``i`` spans the characters between the rendering of messages ``[:i]`` with the
+generation prompt and the rendering of messages ``[:i + 1]``; it holds the reply and the
+template's end-of-turn text (``<|eot_id|>``), so the model learns to stop. A token is the
+assistant's when its first character lies in such a span. This needs every rendering of a
+prefix to be a prefix of the whole conversation's; a template that rewrites earlier turns (one
+that drops past reasoning) breaks it and is refused, naming the conversation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from plugtrain.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from plugtrain.errors import DataError, MissingFileError
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a message may have."""
+FORMATS = ("auto", "text", "chat")
+"""``data.format``: ``auto`` reads a JSONL file whose first record holds ``messages`` as chat."""
+LOSS_ON = ("assistant", "all")
+"""``data.chat_loss``: train on the assistant's tokens only, or on every token."""
+OVERLONG = ("truncate", "drop")
+"""``data.chat_overlong``: what becomes of a conversation longer than the sequence."""
+
+DEFAULT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+"""The template of a tokenizer with none: each turn ``<|role|>\\n content <eos>\\n`` after a
+BOS, in plain text plus the two special tokens every plugtrain tokenizer has, so that it needs
+no new token; a reply ends with the EOS, where ``generate --chat`` stops."""
+
+
+def check_conversation(record: Any, where: str) -> list[dict[str, str]]:
+    """``record``'s ``messages``, checked; a :class:`DataError` naming ``where`` otherwise."""
+    fix = 'give {"messages": [{"role": ..., "content": "..."}, ...]}'
+    if not isinstance(record, dict) or "messages" not in record:
+        raise DataError(f"{where} has no 'messages' (chat data): {fix}")
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        what = "is empty" if messages == [] else f"is a {type(messages).__name__}, not a list"
+        raise DataError(f"{where}: 'messages' {what}: {fix}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: message {i} is not a JSON object: {fix}")
+        if message.get("role") not in ROLES:
+            raise DataError(
+                f"{where}: message {i} has role {message.get('role')!r}: give one of {ROLES}"
+            )
+        if not isinstance(message.get("content"), str):
+            what = "no 'content'" if "content" not in message else "a 'content' that is no string"
+            raise DataError(f"{where}: message {i} has {what}: {fix}")
+    return messages
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json gives it: a string or ``{"content": ...}``."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A jinja chat template and the special tokens it is rendered with (picklable: workers
+    of ``prepare-data`` receive it)."""
+
+    source: str
+    """The template's text."""
+    origin: str
+    """Where it was read, for messages and the run's records."""
+    special_tokens: tuple[tuple[str, str], ...] = (
+        ("bos_token", BOS_TOKEN),
+        ("eos_token", EOS_TOKEN),
+    )
+    """The variables ``bos_token``, ``eos_token`` (and ``unk_token``, ``pad_token`` when the
+    tokenizer's config names them) the template sees."""
+
+    @classmethod
+    def for_tokenizer(
+        cls, tokenizer_path: str | os.PathLike[str], override: str | os.PathLike[str] = ""
+    ) -> ChatTemplate:
+        """The template of the tokenizer.json at ``tokenizer_path``: ``override`` (a .jinja file)
+        when given, else the folder's ``chat_template.jinja``, else its tokenizer_config.json's
+        ``chat_template``, else :data:`DEFAULT_TEMPLATE`; the special tokens from that config."""
+        folder = Path(tokenizer_path).parent
+        config: dict[str, Any] = {}
+        config_path = folder / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                config = json.loads(config_path.read_text())
+            except ValueError as e:
+                raise DataError(f"{config_path} is not valid JSON ({e}): fix or remove it") from e
+        tokens = {
+            "bos_token": _token_text(config.get("bos_token")) or BOS_TOKEN,
+            "eos_token": _token_text(config.get("eos_token")) or EOS_TOKEN,
+        }
+        for name in ("unk_token", "pad_token"):
+            if text := _token_text(config.get(name)):
+                tokens[name] = text
+        special = tuple(sorted(tokens.items()))
+        if override:
+            path = Path(override)
+            if not path.is_file():
+                raise MissingFileError(
+                    f"data.chat_template '{path}' not found: give a .jinja file, or leave it "
+                    f"empty for the tokenizer folder's template"
+                )
+            return cls(path.read_text(), str(path), special)
+        if (folder / "chat_template.jinja").is_file():
+            path = folder / "chat_template.jinja"
+            return cls(path.read_text(), str(path), special)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # several named templates: transformers uses "default"
+            template = next(
+                (t.get("template") for t in template if t.get("name") == "default"), None
+            )
+        if isinstance(template, str):
+            return cls(template, f"{config_path} chat_template", special)
+        return cls(DEFAULT_TEMPLATE, "plugtrain's default chat template", special)
+
+    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
+        """The conversation as text, as transformers renders it."""
+        try:
+            return _compiled(self.source).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **dict(self.special_tokens),
+            )
+        except Exception as e:  # jinja2's errors, and the template's own raise_exception
+            raise DataError(
+                f"chat template ({self.origin}) failed on a conversation: {type(e).__name__}: {e}"
+            ) from e
+
+    def assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+        """Character spans of ``text`` (the conversation's rendering) that the assistant's
+        messages and their end-of-turn text cover (see the module doc)."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True) if i else ""
+            upto = self.render(messages[: i + 1])
+            if not (text.startswith(upto) and upto.startswith(before)):
+                raise DataError(
+                    f"chat template ({self.origin}) renders a conversation's first {i + 1} "
+                    f"messages as other than the start of the whole: it rewrites earlier turns, "
+                    f'so the assistant\'s tokens cannot be found; set data.chat_loss = "all" '
+                    f"or give another data.chat_template"
+                )
+            spans.append((len(before), len(upto)))
+        return spans
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str) -> Any:
+    """The template compiled in a jinja2 environment set up as transformers sets up its own."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` renders its body (the mask comes from
+        incremental rendering, see the module doc)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, **kw: Any) -> str:
+        # jinja's own tojson escapes HTML characters; templates expect plain JSON.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise DataError(f"chat template is not valid jinja ({e}): fix data.chat_template") from e
+
+
+def encode_conversation(
+    messages: list[dict[str, str]], template: ChatTemplate, tokenizer: Tokenizer
+) -> tuple[list[int], np.ndarray]:
+    """The conversation's token ids and, per token, whether it is the assistant's."""
+    text = template.render(messages)
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    mask = np.zeros(len(ids), dtype=np.uint8)
+    starts = np.array([start for start, _ in offsets], dtype=np.int64)
+    for start, end in template.assistant_spans(messages, text):
+        mask[(starts >= start) & (starts < end)] = 1
+    return ids, mask
