@@ -19,7 +19,13 @@ import argparse
 import sys
 
 from plugtrain import sample
-from plugtrain.config import enabled_plugins, merged_values, parse_command_line
+from plugtrain.config import (
+    CHAT_OVERLONG,
+    DATA_FORMATS,
+    enabled_plugins,
+    merged_values,
+    parse_command_line,
+)
 from plugtrain.host import PluginHost, installed_plugins
 from plugtrain.observability import plot_runs
 from plugtrain.training import configure, ends_quietly, run_cli
@@ -78,9 +84,10 @@ def prepare_data(args: argparse.Namespace) -> int:
     """Run ``plugtrain prepare-data`` and say what it did, with its throughput."""
     # numpy, tokenizers: not for --help. The function, unlike SHARD_TOKENS, cannot pass the
     # front door: the module of the same name hides it.
-    from plugtrain.data import SHARD_TOKENS
+    from plugtrain.data import SHARD_TOKENS, ChatOptions
     from plugtrain.data.prepare import prepare
 
+    chat = ChatOptions(args.format, args.chat_template, args.max_tokens, args.chat_overlong)
     result = prepare(
         args.inputs,
         args.output,
@@ -88,6 +95,7 @@ def prepare_data(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         workers=args.workers,
         shard_tokens=SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens,
+        chat=chat,
     )
     if not result.written:
         print(f"{result.folder} is up to date ({result.num_tokens} tokens): nothing to do")
@@ -263,6 +271,27 @@ def command(argv: list[str]) -> int:
     data.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     data.add_argument(
         "--shard-tokens", type=int, help="tokens per shard (default: 2^28, 512 MiB of uint16)"
+    )
+    data.add_argument(
+        "--format",
+        choices=DATA_FORMATS,
+        default="auto",
+        help='chat: {"messages": [...]} per line; auto (default): chat if the first has them',
+    )
+    data.add_argument(
+        "--chat-template", default="", help="a .jinja template (default: the tokenizer folder's)"
+    )
+    data.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="chat data: conversations longer than this are cut or dropped (set training.seq_len)",
+    )
+    data.add_argument(
+        "--chat-overlong",
+        choices=CHAT_OVERLONG,
+        default="truncate",
+        help="cut (default) or drop them",
     )
     estimate = sub.add_parser(
         "estimate",

@@ -14,7 +14,7 @@ names below from ``plugtrain.config``; none of it imports torch, so ``--help`` s
 from __future__ import annotations
 
 from plugtrain.config.checkpoint import CheckpointConfig
-from plugtrain.config.data import DataConfig, ValidationConfig
+from plugtrain.config.data import CHAT_OVERLONG, DATA_FORMATS, DataConfig, ValidationConfig
 from plugtrain.config.job import (
     CORE_SECTIONS,
     FIXED_ON_RESUME,
@@ -39,7 +39,9 @@ from plugtrain.config.reading import build_section, coerce, field_docs, section_
 from plugtrain.config.training import LRSchedulerConfig, OptimizerConfig, TrainingConfig
 
 __all__ = [
+    "CHAT_OVERLONG",
     "CORE_SECTIONS",
+    "DATA_FORMATS",
     "FIXED_ON_RESUME",
     "SHIPPED_CONFIGS",
     "CheckpointConfig",

@@ -8,6 +8,13 @@ from typing import Literal
 
 from plugtrain.errors import check_field
 
+DATA_FORMATS = ("auto", "text", "chat")
+"""``data.format``: ``auto`` reads a JSONL file whose first record holds ``messages`` as chat."""
+CHAT_LOSSES = ("assistant", "all")
+"""``data.chat_loss``: train on the assistant's tokens only, or on every token."""
+CHAT_OVERLONG = ("truncate", "drop")
+"""``data.chat_overlong``: what becomes of a conversation longer than the sequence."""
+
 
 @dataclass
 class DataConfig:
@@ -19,6 +26,17 @@ class DataConfig:
     """JSONL file of held-out documents for the validation loss."""
     text_field: str = "text"
     """The key of each JSON object that holds the document's text."""
+    format: str = "auto"
+    """``auto``: a JSONL file whose first record holds ``messages`` is chat data, any other is
+    text; ``text`` or ``chat`` force either (docs/fine-tuning.md)."""
+    chat_template: str = ""
+    """A .jinja chat template for chat data; empty: the tokenizer folder's
+    (``chat_template.jinja`` or tokenizer_config.json's), else plugtrain's default."""
+    chat_loss: str = "assistant"
+    """Chat data: ``assistant`` trains on the assistant's tokens only, ``all`` on every token."""
+    chat_overlong: str = "truncate"
+    """Chat data: a conversation longer than ``training.seq_len`` tokens is cut to it
+    (``truncate``) or left out (``drop``); the run says how many."""
     shuffle: bool = True
     """Shuffle training samples (a new seeded permutation each epoch)."""
     reset_positions: bool | Literal["auto"] = "auto"
@@ -31,6 +49,13 @@ class DataConfig:
     default the path's last part, names its logged share ``data_share.<name>``)."""
 
     def __post_init__(self) -> None:
+        for key, allowed in (
+            ("format", DATA_FORMATS),
+            ("chat_loss", CHAT_LOSSES),
+            ("chat_overlong", CHAT_OVERLONG),
+        ):
+            value = getattr(self, key)
+            check_field(value in allowed, key, f"is {value!r}: give one of {allowed}")
         for i, source in enumerate(self.sources):
             where = f"item {i} ({source!r})"
             check_field(

@@ -124,7 +124,7 @@ FIXED_ON_RESUME: dict[str, tuple[str, ...] | None] = {
     ),
     "optimizer": None,
     "lr_scheduler": None,
-    "data": ("text_field", "shuffle", "reset_positions"),
+    "data": ("text_field", "shuffle", "reset_positions", "format", "chat_loss", "chat_overlong"),
 }
 """The settings a resumed run keeps, by section (None: every key): they define the run's
 trajectory, so the run a resume continues must be the one they started. Every other setting

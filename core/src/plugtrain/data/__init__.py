@@ -4,7 +4,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from plugtrain.data.cache import open_token_store as open_token_store
+    from plugtrain.data.chat import ChatOptions as ChatOptions
+    from plugtrain.data.chat import ChatTemplate as ChatTemplate
     from plugtrain.data.mixture import MixtureDataset as MixtureDataset
+    from plugtrain.data.pipeline import IGNORE_INDEX as IGNORE_INDEX
     from plugtrain.data.pipeline import MicroBatch as MicroBatch
     from plugtrain.data.pipeline import PackedDataset as PackedDataset
     from plugtrain.data.pipeline import StatefulBatchLoader as StatefulBatchLoader

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -35,13 +36,6 @@ from plugtrain.errors import DataError, MissingFileError
 
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a message may have."""
-FORMATS = ("auto", "text", "chat")
-"""``data.format``: ``auto`` reads a JSONL file whose first record holds ``messages`` as chat."""
-LOSS_ON = ("assistant", "all")
-"""``data.chat_loss``: train on the assistant's tokens only, or on every token."""
-OVERLONG = ("truncate", "drop")
-"""``data.chat_overlong``: what becomes of a conversation longer than the sequence."""
-
 DEFAULT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
@@ -225,3 +219,54 @@ def encode_conversation(
     for start, end in template.assistant_spans(messages, text):
         mask[(starts >= start) & (starts < end)] = 1
     return ids, mask
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a file is read as chat data: the ``data`` keys, and the longest conversation kept."""
+
+    format: str = "auto"
+    """``data.format``: ``auto``, ``text`` or ``chat``."""
+    template: str = ""
+    """``data.chat_template``: a .jinja file, or empty for the tokenizer folder's."""
+    max_tokens: int = 0
+    """Conversations longer than this (``training.seq_len``) are cut or dropped; 0: none."""
+    overlong: str = "truncate"
+    """``data.chat_overlong``: ``truncate`` or ``drop``."""
+
+
+@dataclass(frozen=True)
+class ChatEncoder:
+    """Encodes conversations for ``prepare-data``: the template, and what to do with the long
+    ones (picklable, for its worker processes)."""
+
+    template: ChatTemplate
+    max_tokens: int = 0
+    overlong: str = "truncate"
+
+    def key(self) -> dict[str, Any]:
+        """What decides the tokens written, for a prepared folder's up-to-date check."""
+        source = json.dumps([self.template.source, self.template.special_tokens])
+        return {
+            "chat_template_sha256": hashlib.sha256(source.encode()).hexdigest(),
+            "max_tokens": self.max_tokens,
+            "overlong": self.overlong,
+        }
+
+    def encode(
+        self, conversations: list[list[dict[str, str]]], tokenizer: Tokenizer
+    ) -> tuple[list[list[int]], list[np.ndarray], int, int]:
+        """Each kept conversation's ids and assistant mask, and how many were truncated and
+        dropped."""
+        ids, masks, truncated, dropped = [], [], 0, 0
+        for messages in conversations:
+            tokens, mask = encode_conversation(messages, self.template, tokenizer)
+            if self.max_tokens and len(tokens) > self.max_tokens:
+                if self.overlong == "drop":
+                    dropped += 1
+                    continue
+                truncated += 1
+                tokens, mask = tokens[: self.max_tokens], mask[: self.max_tokens]
+            ids.append(tokens)
+            masks.append(mask)
+        return ids, masks, truncated, dropped

@@ -43,6 +43,8 @@ class MixtureDataset:
         self.datasets, self.names, self.seed = list(datasets), list(names), seed
         self.shuffle = shuffle
         self.seq_len = datasets[0].seq_len
+        self.loss_mask = any(d.loss_mask for d in datasets)
+        """Whether some source's targets leave tokens out of the loss."""
         self.source = "data.sources (" + ", ".join(d.source for d in datasets) + ")"
         shares = np.asarray(weights, dtype=np.float64) / sum(weights)
         per_block = np.zeros(len(datasets), dtype=np.int64)

@@ -9,7 +9,10 @@ resumable bit for bit:
    tokens (inputs, and targets shifted by one); documents run across sample boundaries.
    Only the samples drawn are read. Asked to, it also gives each input token's document
    (numbered from 0 in its row, from the store's document boundaries) and its position within
-   that document, for document masking and per-document RoPE positions.
+   that document, for document masking and per-document RoPE positions. With a loss mask
+   (chat data), the targets that are not the assistant's are :data:`IGNORE_INDEX`, which the
+   cross-entropy leaves out: the mask travels in the batch's targets, with no tensor of its
+   own and no read of the device.
 3. :class:`StatefulBatchLoader` draws training batches from a per-epoch permutation, split
    across data-parallel ranks and gradient-accumulation microbatches, with a world-size
    independent ``state_dict``; :func:`iter_eval_batches` does the same, unshuffled, for
@@ -31,10 +34,15 @@ import torch
 from plugtrain.data.permutation import permute
 from plugtrain.errors import DataError
 
+IGNORE_INDEX = -100
+"""The target of a token the loss leaves out (``F.cross_entropy``'s default ``ignore_index``,
+and transformers' label for it)."""
+
 
 class MicroBatch(NamedTuple):
     """One microbatch: ``inputs`` and ``targets``, int64 token ids of shape ``[batch, seq_len]``
-    (targets are inputs shifted by one), and what the model needs besides, when the run asks.
+    (targets are inputs shifted by one, :data:`IGNORE_INDEX` where the loss mask leaves one
+    out), and what the model needs besides, when the run asks.
 
     ``documents`` is the document of each input token, int32 ``[batch, seq_len]``, numbered
     from 0 in each row (``0 0 0 1 1 2 ...``; a row that starts inside a document starts at 0
@@ -81,6 +89,10 @@ class TokenStream(Protocol):
         """The document of each token ``[start, start + length)``, numbered from 0."""
         ...
 
+    def read_mask(self, start: int, length: int) -> np.ndarray | None:
+        """Whether each of those tokens counts in the loss (nonzero), or None: all do."""
+        ...
+
 
 class Samples(Protocol):
     """What the loaders draw from: a :class:`PackedDataset`, or a mixture of several."""
@@ -105,7 +117,8 @@ class PackedDataset:
     :class:`~plugtrain.data.store.TokenStore` (or any :class:`TokenStream`), whose tokens are
     read only when a sample is. ``source`` names where the stream came from in error messages
     (``data.validation_path 'val.jsonl'``). ``documents`` and ``positions`` add those of
-    :class:`MicroBatch` to every batch.
+    :class:`MicroBatch` to every batch. With ``loss_mask``, the targets of tokens the
+    stream's mask leaves out (:meth:`TokenStream.read_mask`) are :data:`IGNORE_INDEX`.
     """
 
     def __init__(
@@ -116,9 +129,12 @@ class PackedDataset:
         source: str = "the token stream",
         documents: bool = False,
         positions: bool = False,
+        loss_mask: bool = False,
     ) -> None:
         self._stream = stream
         self.documents, self.positions = documents, positions
+        self.loss_mask = loss_mask
+        """Whether targets outside the stream's mask are :data:`IGNORE_INDEX`."""
         if seq_len < 1:
             raise DataError(f"training.seq_len must be at least 1, got {seq_len}")
         num_tokens = self._stream.num_tokens
@@ -155,18 +171,32 @@ class PackedDataset:
         """Stack the samples at ``indices`` into a microbatch of shape [len, seq_len]."""
         return stack_samples([(self, int(i)) for i in indices])
 
+    def counted(self, index: int) -> np.ndarray | None:
+        """Which of sample ``index``'s ``seq_len`` targets count in the loss (nonzero), or
+        None without ``loss_mask``: all do."""
+        if not self.loss_mask:
+            return None
+        return self._stream.read_mask(index * (self.seq_len + 1) + 1, self.seq_len)
+
 
 def stack_samples(samples: Sequence[tuple[PackedDataset, int]]) -> MicroBatch:
     """The microbatch of ``samples`` (dataset, index): int64 inputs and targets of shape
-    [len(samples), seq_len], and the documents and positions their datasets ask for."""
+    [len(samples), seq_len], the targets each dataset's loss mask leaves out
+    :data:`IGNORE_INDEX`, and the documents and positions their datasets ask for."""
     rows = torch.from_numpy(np.stack([d.tokens(i) for d, i in samples]).astype(np.int64))
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    counted = [d.counted(i) for d, i in samples]
+    if any(c is not None for c in counted):
+        full = np.ones(targets.shape[1], dtype=np.uint8)
+        left_out = np.stack([full if c is None else c for c in counted]) == 0
+        targets = targets.masked_fill(torch.from_numpy(left_out), IGNORE_INDEX)
     documents = positions = None
     first = samples[0][0]
     if first.documents or first.positions:
         ids = np.stack([d.sample_documents(i) for d, i in samples])
         documents = torch.from_numpy(ids) if first.documents else None
         positions = torch.from_numpy(document_positions(ids)) if first.positions else None
-    return MicroBatch(rows[:, :-1], rows[:, 1:], documents, positions)
+    return MicroBatch(inputs, targets, documents, positions)
 
 
 def document_positions(documents: np.ndarray) -> np.ndarray:

@@ -9,6 +9,11 @@ in chunk order, so the bytes written are the same for any number of workers, and
 ``[bos] tokens [eos]`` (tests check it against :mod:`plugtrain.testing.reference`). A shard is
 closed when it holds ``shard_tokens`` tokens or more, at a chunk boundary.
 
+Chat data (:mod:`plugtrain.data.chat`) is one document per conversation: the chat template's
+tokens as they are (the template places its own BOS and end-of-turn tokens), and beside each
+shard a ``shard_NNNNN.mask`` of one byte per token, 1 for the assistant's; the manifest's
+``chat`` says how many conversations were kept, truncated and dropped.
+
 Progress counts the bytes of the input files read (compressed ones included), against their
 total size: a bar on a terminal, otherwise a line every ``PROGRESS_EVERY`` seconds.
 
@@ -38,7 +43,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tqdm
 
-from plugtrain.data.sources import check_extras, expand_inputs, iter_documents
+from plugtrain.data.chat import ChatEncoder, ChatOptions, ChatTemplate
+from plugtrain.data.sources import check_extras, expand_inputs, is_chat, iter_documents
 from plugtrain.data.store import FORMAT_VERSION, MANIFEST, file_sha256, token_dtype
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError
@@ -84,14 +90,20 @@ class Layout:
 
 
 def _inputs_key(
-    sources: list[dict[str, Any]], tokenizer_sha: str, layout: Layout
+    sources: list[dict[str, Any]],
+    tokenizer_sha: str,
+    layout: Layout,
+    chat: ChatEncoder | None,
 ) -> dict[str, Any]:
     """What a prepared folder must have been made from to be up to date."""
-    return {
+    key = {
         "sources": [{k: s[k] for k in ("path", "size", "mtime_ns")} for s in sources],
         "tokenizer": tokenizer_sha,
         **dataclasses.asdict(layout),
     }
+    if chat is not None:
+        key["chat"] = chat.key()
+    return key
 
 
 def is_up_to_date(out: Path, key: dict[str, Any]) -> bool:
@@ -113,8 +125,8 @@ class _ChunkInfo(NamedTuple):
 
 
 def _chunks(
-    files: Sequence[Path], field: str, chunk_bytes: int
-) -> Iterator[tuple[list[str], _ChunkInfo]]:
+    files: Sequence[Path], field: str, chunk_bytes: int, chat: bool = False
+) -> Iterator[tuple[list[Any], _ChunkInfo]]:
     """The documents in chunks of ``chunk_bytes`` of text or more.
 
     The first chunk comes in pieces of 1/16, 1/8, 1/4... of it, so that progress shows after
@@ -125,7 +137,7 @@ def _chunks(
     piece = chunk_bytes // 16  # 0 once the first chunk is complete: no more pieces
     for path in files:
         position = 0
-        for text, size, now_at in iter_documents(path, field):
+        for text, size, now_at in iter_documents(path, field, chat=chat):
             texts.append(text)
             nbytes += size
             in_chunk += size
@@ -141,20 +153,40 @@ def _chunks(
         yield texts, _ChunkInfo(nbytes, read, True)
 
 
+class Encoded(NamedTuple):
+    """A chunk's token stream, each document's length, for chat data the assistant mask (one
+    byte per token) and how many conversations were truncated and dropped."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    mask: np.ndarray | None = None
+    truncated: int = 0
+    dropped: int = 0
+
+
 _worker_tokenizer: Tokenizer | None = None
+_worker_chat: ChatEncoder | None = None
 
 
-def _init_worker(tokenizer_path: str) -> None:
-    global _worker_tokenizer
+def _init_worker(tokenizer_path: str, chat: ChatEncoder | None) -> None:
+    global _worker_tokenizer, _worker_chat
     # One thread per worker: the parallelism is the processes (and no fork warning).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = Tokenizer.from_file(tokenizer_path)
+    _worker_chat = chat
 
 
 def encode_chunk(
-    texts: list[str], tokenizer: Tokenizer, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """The chunk's token stream (``[bos] ids [eos]`` per document) and each document's length."""
+    texts: list[Any], tokenizer: Tokenizer, dtype: np.dtype, chat: ChatEncoder | None = None
+) -> Encoded:
+    """The chunk's token stream (``[bos] ids [eos]`` per document; the template's tokens per
+    conversation with ``chat``) and each document's length."""
+    if chat is not None:
+        ids, masks, truncated, dropped = chat.encode(texts, tokenizer)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        tokens = np.fromiter((i for one in ids for i in one), dtype=dtype, count=lengths.sum())
+        mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+        return Encoded(tokens, lengths, mask, truncated, dropped)
     encoded = tokenizer.encode_batch(texts)
     head = 0 if tokenizer.bos_id is None else 1
     lengths = np.fromiter(
@@ -168,30 +200,30 @@ def encode_chunk(
             tokens[start] = tokenizer.bos_id
         tokens[start + head : end - 1] = ids
         tokens[end - 1] = tokenizer.eos_id
-    return tokens, lengths
+    return Encoded(tokens, lengths)
 
 
-def _encode_in_worker(
-    texts: list[str], dtype: str, info: _ChunkInfo
-) -> tuple[np.ndarray, np.ndarray, _ChunkInfo]:
+def _encode_in_worker(texts: list[Any], dtype: str, info: _ChunkInfo) -> tuple[Encoded, _ChunkInfo]:
     assert _worker_tokenizer is not None
-    return (*encode_chunk(texts, _worker_tokenizer, np.dtype(dtype)), info)
+    return encode_chunk(texts, _worker_tokenizer, np.dtype(dtype), _worker_chat), info
 
 
 def _encoded(
-    chunks: Iterator[tuple[list[str], _ChunkInfo]],
+    chunks: Iterator[tuple[list[Any], _ChunkInfo]],
     tokenizer: Tokenizer,
     tokenizer_path: str,
     workers: int,
-) -> Iterator[tuple[np.ndarray, np.ndarray, _ChunkInfo]]:
+    chat: ChatEncoder | None,
+) -> Iterator[tuple[Encoded, _ChunkInfo]]:
     """Encoded chunks in input order; at most ``2 * workers`` in flight."""
     dtype = token_dtype(tokenizer.vocab_size)
     if workers == 1:
         for texts, info in chunks:
-            yield (*encode_chunk(texts, tokenizer, dtype), info)
+            yield encode_chunk(texts, tokenizer, dtype, chat), info
         return
     context = multiprocessing.get_context("forkserver")
-    with context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_path,)) as pool:
+    initargs = (tokenizer_path, chat)
+    with context.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         pending: deque = deque()
         for texts, info in chunks:
             pending.append(pool.apply_async(_encode_in_worker, (texts, dtype.str, info)))
@@ -202,12 +234,13 @@ def _encoded(
 
 
 class _ShardWriter:
-    """Appends encoded chunks to ``shard_NNNNN.bin`` / ``.idx`` files, fsynced when closed."""
+    """Appends encoded chunks to ``shard_NNNNN.bin`` / ``.idx`` (and, ``masked``, ``.mask``)
+    files, fsynced when closed."""
 
-    def __init__(self, folder: Path, shard_tokens: int) -> None:
-        self.folder, self.shard_tokens = folder, shard_tokens
+    def __init__(self, folder: Path, shard_tokens: int, masked: bool = False) -> None:
+        self.folder, self.shard_tokens, self.masked = folder, shard_tokens, masked
         self.shards: list[dict[str, Any]] = []
-        self._bin = self._idx = None
+        self._bin = self._idx = self._mask = None
         self._tokens = 0
         self._docs = 0
         self._at_chunk_end = False
@@ -218,10 +251,14 @@ class _ShardWriter:
         # Kept open across writes; close() fsyncs and closes them.
         self._bin = open(self.folder / f"{name}.bin", "wb")  # noqa: SIM115
         self._idx = open(self.folder / f"{name}.idx", "wb")  # noqa: SIM115
+        if self.masked:
+            self.shards[-1]["mask"] = f"{name}.mask"
+            self._mask = open(self.folder / f"{name}.mask", "wb")  # noqa: SIM115
         self._tokens = self._docs = 0
 
-    def write(self, tokens: np.ndarray, lengths: np.ndarray, info: _ChunkInfo) -> None:
+    def write(self, encoded: Encoded, info: _ChunkInfo) -> None:
         """Append a chunk; the shard closes before it if full and at a layout chunk's end."""
+        tokens, lengths = encoded.tokens, encoded.lengths
         if not len(lengths):
             return  # input read past the last document: nothing to write
         if self._bin is None or (self._tokens >= self.shard_tokens and self._at_chunk_end):
@@ -230,6 +267,9 @@ class _ShardWriter:
         assert self._bin is not None and self._idx is not None
         _write_bytes(self._bin, tokens.tobytes())
         _write_bytes(self._idx, (np.cumsum(lengths) + self._tokens).astype(np.int64).tobytes())
+        if self._mask is not None:
+            assert encoded.mask is not None
+            _write_bytes(self._mask, encoded.mask.tobytes())
         self._tokens += len(tokens)
         self._docs += len(lengths)
         self._at_chunk_end = info.ends
@@ -237,7 +277,9 @@ class _ShardWriter:
     def close(self) -> None:
         if self._bin is None:
             return
-        for f in (self._bin, self._idx):
+        for f in (self._bin, self._idx, self._mask):
+            if f is None:
+                continue
             f.flush()
             os.fsync(f.fileno())
             f.close()
@@ -248,7 +290,7 @@ class _ShardWriter:
             size=path.stat().st_size,
             sha256=file_sha256(path),
         )
-        self._bin = self._idx = None
+        self._bin = self._idx = self._mask = None
 
 
 def _write_bytes(f: Any, data: bytes) -> None:
@@ -287,8 +329,13 @@ def prepare(
     chunk_bytes: int = CHUNK_BYTES,
     progress: bool | None = None,
     progress_every: float = PROGRESS_EVERY,
+    chat: ChatOptions | None = None,
 ) -> PrepareResult:
     """Prepare ``inputs`` (files, folders, globs) into the folder ``out``; see the module doc.
+
+    ``chat`` says which files are chat data (every file must be of the same kind) and how
+    conversations are rendered and cut (default :class:`~plugtrain.data.chat.ChatOptions`:
+    detected, with no length limit).
 
     ``workers`` defaults to every core. ``progress`` True shows a bar, False nothing, None a
     bar on a terminal and otherwise a line every ``progress_every`` seconds (on stderr).
@@ -307,9 +354,10 @@ def prepare(
     layout = Layout(text_field, shard_tokens, chunk_bytes)
     tokenizer = Tokenizer.from_file(tokenizer_path)
     tokenizer_sha = file_sha256(tokenizer_path)
+    encoder = _chat_encoder(files, tokenizer_path, chat or ChatOptions())
     with _locked(out):
         key = _inputs_key(
-            [_source_record(f, with_hash=False) for f in files], tokenizer_sha, layout
+            [_source_record(f, with_hash=False) for f in files], tokenizer_sha, layout, encoder
         )
         if is_up_to_date(out, key):
             manifest = json.loads((out / MANIFEST).read_text())
@@ -319,11 +367,20 @@ def prepare(
         partial.mkdir()
         try:
             chunks = _encoded(
-                _chunks(files, text_field, chunk_bytes), tokenizer, str(tokenizer_path), workers
+                _chunks(files, text_field, chunk_bytes, encoder is not None),
+                tokenizer,
+                str(tokenizer_path),
+                workers,
+                encoder,
             )
             total_bytes = sum(f.stat().st_size for f in files)
             manifest = _write(
-                chunks, partial, tokenizer, layout, _Progress(total_bytes, progress, progress_every)
+                chunks,
+                partial,
+                tokenizer,
+                layout,
+                _Progress(total_bytes, progress, progress_every),
+                encoder,
             )
             if manifest["num_documents"] == 0:
                 raise DataError(f"inputs {list(inputs)} hold no documents: give non-empty files")
@@ -355,6 +412,23 @@ def prepare(
             raise
     seconds = time.perf_counter() - begin
     return PrepareResult(out, True, manifest["num_tokens"], seconds, manifest["input_bytes"])
+
+
+def _chat_encoder(
+    files: Sequence[Path], tokenizer_path: str | os.PathLike[str], chat: ChatOptions
+) -> ChatEncoder | None:
+    """The encoder of chat ``files``, or None for text; files of both kinds are refused."""
+    kinds = {f: is_chat(f, chat.format) for f in files}
+    if len(set(kinds.values())) > 1:
+        chats = [str(f) for f, c in kinds.items() if c]
+        raise DataError(
+            f"inputs mix chat data ({', '.join(chats)}) with text: prepare each kind into its own "
+            f"folder and mix them with data.sources"
+        )
+    if not any(kinds.values()):
+        return None
+    template = ChatTemplate.for_tokenizer(tokenizer_path, chat.template)
+    return ChatEncoder(template, chat.max_tokens, chat.overlong)
 
 
 class _Progress:
@@ -406,23 +480,35 @@ def _clock(seconds: float) -> str:
 
 
 def _write(
-    chunks: Iterator[tuple[np.ndarray, np.ndarray, int]],
+    chunks: Iterator[tuple[Encoded, _ChunkInfo]],
     folder: Path,
     tokenizer: Tokenizer,
     layout: Layout,
     progress: _Progress,
+    chat: ChatEncoder | None,
 ) -> dict[str, Any]:
     """Write the encoded chunks into ``folder``'s shards; return the manifest's counts."""
-    writer = _ShardWriter(folder, layout.shard_tokens)
-    num_tokens = num_docs = input_bytes = 0
+    writer = _ShardWriter(folder, layout.shard_tokens, masked=chat is not None)
+    num_tokens = num_docs = input_bytes = truncated = dropped = 0
     with closing(progress):
-        for tokens, lengths, info in chunks:
-            writer.write(tokens, lengths, info)
-            num_tokens += len(tokens)
-            num_docs += len(lengths)
+        for encoded, info in chunks:
+            writer.write(encoded, info)
+            num_tokens += len(encoded.tokens)
+            num_docs += len(encoded.lengths)
+            truncated += encoded.truncated
+            dropped += encoded.dropped
             input_bytes += info.nbytes
-            progress.update(info.read, len(tokens))
+            progress.update(info.read, len(encoded.tokens))
         writer.close()
+    extra: dict[str, Any] = {}
+    if chat is not None:
+        extra["chat"] = {
+            "template": chat.template.origin,
+            **chat.key(),
+            "conversations": num_docs + dropped,
+            "truncated": truncated,
+            "dropped": dropped,
+        }
     return {
         "format_version": FORMAT_VERSION,
         "dtype": token_dtype(tokenizer.vocab_size).name,
@@ -431,4 +517,5 @@ def _write(
         "input_bytes": input_bytes,
         "layout": dataclasses.asdict(layout),
         "shards": writer.shards,
+        **extra,
     }

@@ -1,8 +1,10 @@
 """Input documents of ``prepare-data``: the files that paths and globs name, and their texts.
 
-Formats: JSONL (plain, gzip or zstd), Parquet, plain text (one document per file).
+Formats: JSONL (plain, gzip or zstd), Parquet, plain text (one document per file); chat data
+(a conversation per line, :mod:`plugtrain.data.chat`) is JSONL only.
 
-Every reader yields ``(text, nbytes, position)``: ``nbytes`` is the document's size in the
+Every reader yields ``(text, nbytes, position)`` (``text`` a conversation's messages for chat
+data): ``nbytes`` is the document's size in the
 input's uncompressed text (how ``prepare-data`` cuts chunks), ``position`` how many bytes of the
 file on disk have been read so far (what its progress counts, compressed or not). A reader holds
 at most one line, record batch or file in memory.
@@ -17,9 +19,10 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from plugtrain import sample
+from plugtrain.data.chat import check_conversation
 from plugtrain.errors import DataError, MissingFileError, require_extra
 
 SUFFIXES = (
@@ -87,7 +90,8 @@ def _decompressed(raw: IO[bytes], kind: str) -> IO[bytes]:
     return raw
 
 
-def _jsonl(path: Path, kind: str, field: str, label: str) -> Iterator[tuple[str, int, int]]:
+def _records(path: Path, kind: str, label: str) -> Iterator[tuple[int, bytes, Any, int]]:
+    """``(line number, line, record, file bytes read)`` of each non-empty line of a JSONL file."""
     # Unbuffered: tell() is how much of the file was read. Closed by the with.
     raw = open(path, "rb", buffering=0)  # noqa: SIM115
     with raw, _decompressed(raw, kind) as stream:
@@ -98,12 +102,42 @@ def _jsonl(path: Path, kind: str, field: str, label: str) -> Iterator[tuple[str,
                 record = json.loads(line)
             except ValueError as e:
                 raise DataError(f"{label} '{path}' line {lineno} is not valid JSON: {e}") from e
-            if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                raise DataError(
-                    f"{label} '{path}' line {lineno} is not a JSON object with a string field "
-                    f"{field!r}: fix that line or set data.text_field (prepare-data: --text-field)"
-                )
-            yield record[field], len(line), raw.tell()
+            yield lineno, line, record, raw.tell()
+
+
+def is_chat(path: Path, data_format: str = "auto", *, label: str = "input") -> bool:
+    """Whether ``path`` holds chat data under ``data.format`` ``data_format``: forced, or
+    (``auto``) a JSONL file whose first record holds ``messages``."""
+    kind = _kind(path)
+    if data_format == "chat":
+        _check_jsonl(path, kind, label)
+    if data_format != "auto" or kind in (None, ".parquet", ".txt"):
+        return data_format == "chat"
+    first = next(_records(path, str(kind), label), None)
+    return first is not None and isinstance(first[2], dict) and "messages" in first[2]
+
+
+def _check_jsonl(path: Path, kind: str | None, label: str) -> None:
+    if kind in (None, ".parquet", ".txt"):
+        raise DataError(
+            f"{label} '{path}' is not JSONL, but is read as chat data: chat data is one "
+            f'{{"messages": [...]}} per line of a .jsonl file (or set data.format = "text")'
+        )
+
+
+def _jsonl(
+    path: Path, kind: str, field: str, label: str, chat: bool
+) -> Iterator[tuple[Any, int, int]]:
+    for lineno, line, record, position in _records(path, kind, label):
+        if chat:
+            yield check_conversation(record, f"{label} '{path}' line {lineno}"), len(line), position
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get(field), str):
+            raise DataError(
+                f"{label} '{path}' line {lineno} is not a JSON object with a string field "
+                f"{field!r}: fix that line or set data.text_field (prepare-data: --text-field)"
+            )
+        yield record[field], len(line), position
 
 
 def _parquet(path: Path, field: str) -> Iterator[tuple[str, int, int]]:
@@ -125,19 +159,22 @@ def _parquet(path: Path, field: str) -> Iterator[tuple[str, int, int]]:
 
 
 def iter_documents(
-    path: Path, field: str = "text", *, label: str = "input"
-) -> Iterator[tuple[str, int, int]]:
+    path: Path, field: str = "text", *, label: str = "input", chat: bool = False
+) -> Iterator[tuple[Any, int, int]]:
     """``(text, text bytes, file bytes read)`` of every document of ``path`` (see the module
-    doc); a .txt file is one document.
+    doc); a .txt file is one document. With ``chat``, ``text`` is each line's checked
+    ``messages`` (:func:`~plugtrain.data.chat.check_conversation`).
 
     Errors name the file as ``{label} '{path}'``."""
     kind = _kind(path)
+    if chat:
+        _check_jsonl(path, kind, label)
     if kind == ".parquet":
         yield from _parquet(path, field)
     elif kind == ".txt":
         data = path.read_bytes()
         yield data.decode("utf-8", errors="replace"), len(data), len(data)
     elif kind is not None:
-        yield from _jsonl(path, kind, field, label)
+        yield from _jsonl(path, kind, field, label, chat)
     else:
         raise DataError(f"input '{path}' is not a supported type: give {', '.join(SUFFIXES)}")

@@ -3,10 +3,11 @@
 A prepared folder (written by ``plugtrain prepare-data``, see :mod:`plugtrain.data.prepare`)
 holds ``manifest.json`` and, per shard, ``shard_NNNNN.bin`` (the tokens, ``uint16`` when the
 vocabulary fits, ``uint32`` otherwise, in native little-endian order) and ``shard_NNNNN.idx``
-(int64 end offsets of the shard's documents). The shards, concatenated in order, are the
-corpus's token stream. :class:`TokenStore` opens them with ``numpy.memmap``: opening costs
-neither time nor memory in proportion to the corpus, and the pages a batch touches are read
-on demand by the kernel.
+(int64 end offsets of the shard's documents); a folder of chat data also holds
+``shard_NNNNN.mask`` (one byte per token, 1 for the assistant's). The shards, concatenated in
+order, are the corpus's token stream. :class:`TokenStore` opens them with ``numpy.memmap``:
+opening costs neither time nor memory in proportion to the corpus, and the pages a batch
+touches are read on demand by the kernel.
 
 The ``.idx`` files are the documents' boundaries, whatever the tokenizer's special tokens (it
 need not have a BOS, and a text may hold an EOS id): :meth:`TokenStore.documents` numbers the
@@ -95,8 +96,11 @@ class TokenStore:
                 f"'{PREPARE_HINT}' again with this tokenizer"
             )
         self.dtype = np.dtype(self.manifest["dtype"])
+        self.chat: dict[str, Any] | None = self.manifest.get("chat")
+        """The manifest's counts of conversations (kept, truncated, dropped); None for text."""
         self._shards: list[np.ndarray] = []
         self._ends: list[np.ndarray] = []  # each shard's document end offsets (its .idx)
+        self._masks: list[np.ndarray] = []
         self._starts: list[int] = []  # token offset of each non-empty shard in the stream
         total = 0
         for shard in self.manifest["shards"]:
@@ -112,6 +116,8 @@ class TokenStore:
             if shard["num_tokens"]:
                 self._shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
                 self._ends.append(self._open_index(shard))
+                if self.chat is not None:
+                    self._masks.append(self._open_mask(shard))
                 self._starts.append(total)
                 total += shard["num_tokens"]
         if total != self.manifest["num_tokens"]:
@@ -134,6 +140,17 @@ class TokenStore:
             )
         return np.memmap(path, dtype=np.int64, mode="r")
 
+    def _open_mask(self, shard: dict[str, Any]) -> np.ndarray:
+        path = self.folder / shard.get("mask", "")
+        size = path.stat().st_size if path.is_file() and "mask" in shard else None
+        if size != shard["num_tokens"]:
+            what = "is missing" if size is None else f"has {size} bytes, not {shard['num_tokens']}"
+            raise DataError(
+                f"mask {path} {what} (truncated or damaged): run '{PREPARE_HINT}' again to "
+                f"rewrite {self.folder}"
+            )
+        return np.memmap(path, dtype=np.uint8, mode="r")
+
     @property
     def vocab_size(self) -> int:
         """Vocabulary size of the tokenizer the folder was prepared with."""
@@ -141,18 +158,26 @@ class TokenStore:
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the stream (a copy, in the store's dtype)."""
+        return self._read(self._shards, start, length)
+
+    def read_mask(self, start: int, length: int) -> np.ndarray | None:
+        """Whether each of tokens ``[start, start + length)`` is the assistant's (a copy, one
+        byte each); None for text, which has no mask."""
+        return None if self.chat is None else self._read(self._masks, start, length)
+
+    def _read(self, shards: list[np.ndarray], start: int, length: int) -> np.ndarray:
         if start < 0 or start + length > self.num_tokens:
             raise IndexError(f"tokens [{start}, {start + length}) out of [0, {self.num_tokens})")
         i = bisect.bisect_right(self._starts, start) - 1
         offset = start - self._starts[i]
-        first = self._shards[i][offset : offset + length]
+        first = shards[i][offset : offset + length]
         if len(first) == length:
             return np.array(first)
         pieces = [first]  # the range runs into the next shard(s)
         got = len(first)
         while got < length:
             i += 1
-            pieces.append(self._shards[i][: length - got])
+            pieces.append(shards[i][: length - got])
             got += len(pieces[-1])
         return np.concatenate(pieces)
 

@@ -31,6 +31,7 @@ from plugtrain.checkpoint import (
 )
 from plugtrain.config import JobConfig
 from plugtrain.data import (
+    ChatOptions,
     DevicePrefetcher,
     MicroBatch,
     MixtureDataset,
@@ -247,20 +248,35 @@ class Trainer:
 
     def _dataset(self, path: str, key: str) -> PackedDataset:
         """The samples of config key ``key``'s prepared folder or data file (see data.cache)."""
+        data, seq_len = self.config.data, self.config.training.seq_len
+        chat = ChatOptions(data.format, data.chat_template, seq_len, data.chat_overlong)
         store = open_token_store(
             sample.resolve(path),
             key,
             sample.resolve(self.config.model.tokenizer_path),
-            self.config.data.text_field,
+            data.text_field,
+            chat=chat,
             is_main=self.world.is_main,
             barrier=dist.barrier if self.world.world_size > 1 else None,
         )
+        if store.chat is not None and self.world.is_main:
+            counts = store.chat
+            logger.info(
+                "%s '%s': %d conversations; %d longer than %d tokens truncated, %d dropped "
+                "(data.chat_overlong)",
+                key,
+                path,
+                counts["conversations"],
+                counts["truncated"],
+                counts["max_tokens"],
+                counts["dropped"],
+            )
         return PackedDataset(
             store,
-            self.config.training.seq_len,
+            seq_len,
             source=f"{key} '{path}'",
             documents=self.config.model.attention == "document",
-            positions=self.config.data.reset_positions is True,
+            positions=data.reset_positions is True,
         )
 
     def _warn_if_schedule_differs(self) -> None:

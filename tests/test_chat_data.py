@@ -1,0 +1,129 @@
+"""Tests of chat data in prepare-data and the run: detection, the stored conversations and
+their masks, the refusals, and conversations longer than the sequence."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plugtrain.data.chat import ChatOptions, ChatTemplate, encode_conversation
+from plugtrain.data.prepare import prepare
+from plugtrain.data.store import TokenStore, document_offsets
+from plugtrain.data.tokenizer import Tokenizer
+from plugtrain.errors import DataError
+from plugtrain.testing import SAMPLE, make_trainer
+
+CHAT = SAMPLE / "chat_validation.jsonl"
+TOKENIZER = SAMPLE / "tokenizer.json"
+
+
+def conversations(path: Path = CHAT) -> list[list[dict[str, str]]]:
+    return [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+
+
+def test_the_sample_is_what_its_script_writes(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_chat_sample.py"
+    subprocess.run([sys.executable, script, "--out", tmp_path], check=True)
+    for name in ("chat_train.jsonl", "chat_validation.jsonl"):
+        assert (tmp_path / name).read_bytes() == (SAMPLE / name).read_bytes()
+
+
+def test_a_chat_file_is_detected_and_stored_one_conversation_per_document(tmp_path: Path) -> None:
+    result = prepare([str(CHAT)], tmp_path / "out", TOKENIZER, workers=1, progress=False)
+    store = TokenStore(result.folder)
+    tokenizer, template = Tokenizer.from_file(TOKENIZER), ChatTemplate.for_tokenizer(TOKENIZER)
+    encoded = [encode_conversation(m, template, tokenizer) for m in conversations()]
+    assert store.read(0, store.num_tokens).tolist() == [i for ids, _ in encoded for i in ids]
+    mask = store.read_mask(0, store.num_tokens)
+    assert mask is not None and mask.tolist() == np.concatenate([m for _, m in encoded]).tolist()
+    ends = np.cumsum([len(ids) for ids, _ in encoded])
+    assert document_offsets(result.folder, 0).tolist() == ends.tolist()
+    assert store.chat is not None
+    assert (store.chat["conversations"], store.chat["truncated"], store.chat["dropped"]) == (
+        len(encoded),
+        0,
+        0,
+    )
+    # Text data has no mask, and forcing text on chat data asks for the text field.
+    text = prepare([str(SAMPLE / "validation.jsonl")], tmp_path / "t", TOKENIZER, workers=1)
+    assert TokenStore(text.folder).read_mask(0, 4) is None
+    with pytest.raises(DataError, match=r"line 1 is not a JSON object with a string field 'text'"):
+        prepare(
+            [str(CHAT)],
+            tmp_path / "x",
+            TOKENIZER,
+            workers=1,
+            progress=False,
+            chat=ChatOptions("text"),
+        )
+
+
+@pytest.mark.slow  # worker processes start
+def test_workers_write_the_same_bytes(tmp_path: Path) -> None:
+    one = prepare([str(CHAT)], tmp_path / "one", TOKENIZER, workers=1, progress=False)
+    two = prepare([str(CHAT)], tmp_path / "two", TOKENIZER, workers=2, progress=False,
+                  chunk_bytes=4096)  # fmt: skip
+    for name in ("shard_00000.bin", "shard_00000.mask"):
+        assert (one.folder / name).read_bytes() == (two.folder / name).read_bytes()
+
+
+@pytest.mark.parametrize(("overlong", "kept"), [("truncate", 60), ("drop", None)])
+def test_long_conversations_are_truncated_or_dropped(
+    tmp_path: Path, overlong: str, kept: int | None
+) -> None:
+    tokenizer, template = Tokenizer.from_file(TOKENIZER), ChatTemplate.for_tokenizer(TOKENIZER)
+    lengths = [len(encode_conversation(m, template, tokenizer)[0]) for m in conversations()]
+    limit = sorted(lengths)[len(lengths) // 2]
+    longer = sum(n > limit for n in lengths)
+    options = ChatOptions(max_tokens=limit, overlong=overlong)
+    folder = prepare(
+        [str(CHAT)], tmp_path / overlong, TOKENIZER, workers=1, progress=False, chat=options
+    )
+    store = TokenStore(folder.folder)
+    assert store.chat is not None
+    truncated, dropped = (longer, 0) if overlong == "truncate" else (0, longer)
+    assert (store.chat["truncated"], store.chat["dropped"]) == (truncated, dropped)
+    kept_lengths = [min(n, limit) for n in lengths if overlong == "truncate" or n <= limit]
+    assert store.num_tokens == sum(kept_lengths)
+    assert store.manifest["num_documents"] == (kept or len(lengths) - longer)
+
+
+def _write(path: Path, records: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_bad_records_and_mixed_inputs_are_refused_naming_file_and_line(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "hi"}]}
+    bad = _write(
+        tmp_path / "bad.jsonl", [good, good, {"messages": [{"role": "bot", "content": ""}]}]
+    )
+    with pytest.raises(DataError, match=r"bad\.jsonl' line 3: message 0 has role 'bot'"):
+        prepare([str(bad)], tmp_path / "out", TOKENIZER, workers=1, progress=False)
+    text = _write(tmp_path / "text.jsonl", [{"text": "hi"}])
+    with pytest.raises(DataError, match=r"inputs mix chat data .*bad\.jsonl\) with text"):
+        prepare([str(bad), str(text)], tmp_path / "out", TOKENIZER, workers=1, progress=False)
+    with pytest.raises(DataError, match=r"text\.jsonl' line 1 has no 'messages'"):
+        prepare(
+            [str(text)],
+            tmp_path / "out",
+            TOKENIZER,
+            workers=1,
+            progress=False,
+            chat=ChatOptions("chat"),
+        )
+
+
+def test_the_run_refuses_a_bad_record_before_step_one(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "hi"}]}
+    bad = _write(tmp_path / "bad.jsonl", [good, {"messages": []}])
+    with pytest.raises(DataError) as refused:
+        make_trainer(tmp_path / "run", "--data.train_path", str(bad))
+    fix = '{"messages": [{"role": ..., "content": "..."}, ...]}'
+    assert str(refused.value) == f"input '{bad}' line 2: 'messages' is empty: give {fix}"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
