@@ -95,9 +95,11 @@ class ModelContext:
     """The final RMSNorm, ``model.norm``, between the last block and the output projection."""
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """The loss of a training microbatch from its logits and targets: the mean fp32
-    cross-entropy. A compiler may replace it, in ``compile_model`` only, by a compiled version
-    of itself (``ctx.loss_fn = torch.compile(ctx.loss_fn)``); the trainer calls what it holds
-    after the model hooks, at every microbatch. Validation keeps the plain cross-entropy."""
+    cross-entropy, or for data with a loss mask (chat data) its sum over the targets that
+    count, which the trainer scales by the step's count (``training/loss_mean.py``). A
+    compiler may replace it, in ``compile_model`` only, by a compiled version of itself
+    (``ctx.loss_fn = torch.compile(ctx.loss_fn)``); the trainer calls what it holds after the
+    model hooks, at every microbatch. Validation keeps the plain cross-entropy."""
     device: torch.device
     """The device the model will be materialised on and trained on."""
     param_dtype: torch.dtype

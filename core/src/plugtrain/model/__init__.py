@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from plugtrain.model.transformer import Transformer as Transformer
     from plugtrain.model.transformer import cross_entropy as cross_entropy
     from plugtrain.model.transformer import scale_rope_frequencies as scale_rope_frequencies
+    from plugtrain.model.transformer import summed_cross_entropy as summed_cross_entropy
 else:
     from plugtrain.exports import front_door
 

@@ -442,3 +442,10 @@ def _param_seed(seed: int, index: int) -> int:
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss, computed in fp32 whatever the compute dtype."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token loss summed over the targets that count (``-100``, the ignore index, left
+    out), in fp32: 0, not NaN, when none does."""
+    flat = targets.flatten(0, 1)
+    return F.cross_entropy(logits.flatten(0, 1).float(), flat, reduction="sum")

@@ -31,6 +31,7 @@ from plugtrain.checkpoint import (
 )
 from plugtrain.config import JobConfig
 from plugtrain.data import (
+    IGNORE_INDEX,
     ChatOptions,
     DevicePrefetcher,
     MicroBatch,
@@ -55,6 +56,7 @@ from plugtrain.model import (
     parallel_cross_entropy,
     replica_sync,
     reshard,
+    summed_cross_entropy,
 )
 from plugtrain.observability import (
     HookTracer,
@@ -77,6 +79,7 @@ from plugtrain.plugin import (
 )
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.estimate import estimate_run
+from plugtrain.training.loss_mean import StepLoss
 from plugtrain.training.loss_terms import LossTerms
 from plugtrain.training.optim import LRSchedule, build_optimizer, lr_factor
 from plugtrain.training.requests import RunRequests
@@ -277,6 +280,7 @@ class Trainer:
             source=f"{key} '{path}'",
             documents=self.config.model.attention == "document",
             positions=data.reset_positions is True,
+            loss_mask=store.chat is not None and data.chat_loss == "assistant",
         )
 
     def _warn_if_schedule_differs(self) -> None:
@@ -311,7 +315,7 @@ class Trainer:
             model=model,
             blocks=tuple(model.layers),
             norm=model.norm,
-            loss_fn=self.cross_entropy,
+            loss_fn=summed_cross_entropy if self.train_data.loss_mask else self.cross_entropy,
             device=self.device,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
@@ -322,6 +326,9 @@ class Trainer:
         self.hook.wrap_model(ctx=ctx)
         self.hook.compile_model(ctx=ctx)
         self.loss_fn = ctx.loss_fn
+        self.step_loss = StepLoss(
+            ctx.loss_fn, masked=self.train_data.loss_mask, world_size=self.world.world_size
+        )
 
     def _setup_plugins(self) -> None:
         ctx = SetupContext(
@@ -383,11 +390,12 @@ class Trainer:
         )
         lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
         loss_sum = torch.zeros((), device=self.device)
+        self.step_loss.start(batch)
         with self.loss_parallel():  # nothing without tensor parallelism
             for ctx.microbatch, microbatch in enumerate(batch):
                 inputs, targets = microbatch.inputs, microbatch.targets
                 logits = self.model(inputs, **microbatch.model_inputs())
-                loss = self.loss_fn(logits, targets) / ctx.num_microbatches
+                loss = self.step_loss(logits, targets, ctx.num_microbatches)
                 loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
                 if self.loss_terms is not None:  # only in runs where a plugin implements the hook
                     terms = self.host.results(
@@ -541,7 +549,8 @@ class Trainer:
     @torch.no_grad()
     def _validation_loss(self) -> tuple[float, float]:
         """Mean validation loss over ``validation.steps`` batches, averaged over ranks, and the
-        bits per byte: the summed loss over ln 2 and the UTF-8 bytes the targets stand for."""
+        bits per byte: the summed loss over ln 2 and the UTF-8 bytes the targets stand for.
+        With a loss mask, the mean over the counted targets of all the batches and ranks."""
         assert self.val_data is not None
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # the batches' mean losses, and their count
@@ -558,6 +567,14 @@ class Trainer:
             # The training forward's masking and positions: the same loss for the same text.
             with self.loss_parallel():
                 logits = self.model(microbatch.inputs, **microbatch.model_inputs())
+                if self.val_data.loss_mask:  # the loss over the counted tokens, as in training
+                    counted = targets != IGNORE_INDEX
+                    loss = summed_cross_entropy(logits, targets)
+                    total[0] += loss
+                    total[1] += counted.sum()
+                    scored[0] += loss.double()
+                    scored[1] += (self.token_bytes[targets.clamp(min=0)] * counted).sum()
+                    continue
                 loss = self.cross_entropy(logits, targets)
             total[0] += loss
             total[1] += 1
