@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from plugtrain.data.chat import (
-    DEFAULT_TEMPLATE,
+    DEFAULT_CHAT_TEMPLATE,
     ChatTemplate,
     check_conversation,
     encode_conversation,
@@ -69,7 +69,7 @@ def test_ids_equal_transformers_apply_chat_template(folder: Path, index: int) ->
 
 def test_the_default_template_serves_a_tokenizer_without_one(tmp_path: Path) -> None:
     template = ChatTemplate.for_tokenizer(SAMPLE / "tokenizer.json")
-    assert template.source == DEFAULT_TEMPLATE
+    assert template.source == DEFAULT_CHAT_TEMPLATE
     tokenizer = Tokenizer.from_file(SAMPLE / "tokenizer.json")
     ids, mask = encode_conversation(CONVERSATIONS[0], template, tokenizer)
     text = "<|begin_of_text|><|user|>\nWhat is a sonnet?<|end_of_text|>\n<|assistant|>\n"

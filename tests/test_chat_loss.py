@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from plugtrain.cli import main
 from plugtrain.data import IGNORE_INDEX
 from plugtrain.model import cross_entropy
 from plugtrain.testing import SAMPLE, make_trainer, tiny_run
@@ -101,3 +102,34 @@ def test_the_loss_is_a_mean_over_the_whole_steps_tokens_on_any_split(tmp_path: P
     assert math.isclose(token_mean, whole[1], rel_tol=1e-5)
     assert abs(per_microbatch - whole[1]) > 1e-3
     trainer.close()
+
+
+@pytest.mark.slow
+def test_the_recipe_fine_tunes_an_hf_llama_on_chat_data_and_exports_it(
+    tmp_path: Path, chat_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/fine-tuning.md's recipe: initial_load_path from an HF folder, chat JSONL, export-hf,
+    generate --chat; transformers loads the export and applies its chat template."""
+    run = tmp_path / "run"
+    tiny_run(
+        run,
+        *("--model.flavor", "hf", "--checkpoint.initial_load_path", str(chat_llama)),
+        *("--model.tokenizer_path", "", "--data.train_path", str(CHAT_TRAIN)),
+        *("--checkpoint.enable", "true", "--training.seq_len", "64"),
+        steps=2,
+    )
+    out = tmp_path / "export"
+    assert main(["export-hf", str(run), "-o", str(out), "--dtype", "float32"]) == 0
+    messages = [{"role": "user", "content": "What is 2 plus 3?"}]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    theirs = transformers.AutoTokenizer.from_pretrained(chat_llama)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert ids == theirs.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=False
+    )
+    model = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model(torch.tensor([ids])).logits.isfinite().all()
+    capsys.readouterr()
+    args = [str(out), "--prompt", messages[0]["content"], "--chat", "--max-new-tokens", "4"]
+    assert main(["generate", *args, "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.endswith("\n")

@@ -159,6 +159,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         "path", metavar="PATH", help="a run's dump folder, a step-N folder or a Hugging Face one"
     )
     gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message, rendered with the model's chat template",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=100, help="at most this many tokens")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")

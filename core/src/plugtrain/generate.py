@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from plugtrain import sample
 from plugtrain.checkpoint import WEIGHTS, open_checkpoint, read_checkpoint
-from plugtrain.data import Tokenizer
+from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, UserError, one_line
 from plugtrain.model import ModelArgs, Transformer, complete, from_hf, model_args_from_hf
 
@@ -151,6 +151,15 @@ def _device(name: str) -> torch.device:
     return device
 
 
+def _tokenizer_file(path: Path, tokenizer_path: str | None) -> Path:
+    """The tokenizer.json a loaded model uses: ``--tokenizer``, the HF folder's or the run's."""
+    if tokenizer_path:
+        return sample.resolve(tokenizer_path)
+    if is_hf_folder(path):
+        return path / "tokenizer.json"
+    return open_checkpoint(path, None).tokenizer_path
+
+
 def run(args: argparse.Namespace) -> int:
     """``plugtrain generate``: print what the model at ``args.path`` writes after the prompt."""
     for value, ok, option, bound in (
@@ -162,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             raise ConfigError(f"{option} must be {bound}, got {value}")
     model, tokenizer = load(args.path, _device(args.device), args.weights, args.tokenizer)
+    prompt_ids = stop_id = None
+    if args.chat:  # the prompt is a user's message, rendered with the model's chat template
+        template = ChatTemplate.for_tokenizer(_tokenizer_file(Path(args.path), args.tokenizer))
+        messages = [{"role": "user", "content": args.prompt}]
+        prompt_ids = tokenizer.encode(template.render(messages, add_generation_prompt=True))
+        stop_id = (tokenizer.encode(template.reply_end()) or [tokenizer.eos_id])[0]
     text = complete(
         model,
         tokenizer,
@@ -171,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        prompt_ids=prompt_ids,
+        stop_id=stop_id,
     )
     print(text)
     return 0

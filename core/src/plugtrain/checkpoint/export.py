@@ -3,10 +3,12 @@
 The folder holds ``model.safetensors`` (or shards and ``model.safetensors.index.json``),
 ``config.json``, ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``:
 ``transformers.LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it
-with no other file. The exported tokenizer puts ``<|begin_of_text|>`` before a text, as Llama 3's
-does and as plugtrain lays out its training documents, prompts and scored contexts: with its
-default ``add_special_tokens``, ``AutoTokenizer(...)(text)`` gives the ids the model was trained
-and is scored on (``add_bos_token=False`` turns it off).
+with no other file; the chat template of the tokenizer's folder, when it has one, is copied
+as ``chat_template.jinja``, so that ``apply_chat_template`` works on the export. The exported
+tokenizer puts ``<|begin_of_text|>`` before a text, as Llama 3's does and as plugtrain lays
+out its training documents, prompts and scored contexts: with its default
+``add_special_tokens``, ``AutoTokenizer(...)(text)`` gives the ids the model was trained and
+is scored on (``add_bos_token=False`` turns it off).
 
 :func:`export_checkpoint` reads a DCP checkpoint key by key (``plugtrain export-hf``);
 :func:`write_hf_folder` takes any source of full tensors (the ``hf_export`` plugin gathers them
@@ -37,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 
 from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner
 from plugtrain.checkpoint.saved import WEIGHTS, open_checkpoint
-from plugtrain.data import BOS_TOKEN, EOS_TOKEN, Tokenizer
+from plugtrain.data import BOS_TOKEN, DEFAULT_CHAT_TEMPLATE, EOS_TOKEN, ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
 from plugtrain.model import ModelArgs, hf_config, parameter_shapes, to_hf
 
@@ -287,6 +289,11 @@ def write_hf_folder(
         )
         _write_json(partial / "generation_config.json", generation_config)
         _write_json(partial / "tokenizer_config.json", tokenizer_config)
+        template = ChatTemplate.for_tokenizer(tokenizer_path)
+        if (
+            template.source != DEFAULT_CHAT_TEMPLATE
+        ):  # the model's own: apply_chat_template reads it
+            (partial / "chat_template.jinja").write_text(template.source)
         _write_json(partial / "tokenizer.json", tokenizer_json)
         if out.exists():
             doomed = out.with_name(out.name + ".deleting")

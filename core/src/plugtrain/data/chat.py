@@ -2,7 +2,7 @@
 
 A conversation is a JSON list of messages ``{"role": ..., "content": ...}``. It is rendered to
 text by the model's chat template (``chat_template.jinja`` or ``tokenizer_config.json``'s
-``chat_template`` next to the tokenizer.json, else :data:`DEFAULT_TEMPLATE`), with jinja2
+``chat_template`` next to the tokenizer.json, else :data:`DEFAULT_CHAT_TEMPLATE`), with jinja2
 configured as transformers configures it (a sandboxed environment, ``trim_blocks`` and
 ``lstrip_blocks``, ``raise_exception``, the special tokens as variables), then tokenized
 without added special tokens: the ids are those of transformers'
@@ -36,7 +36,7 @@ from plugtrain.errors import DataError, MissingFileError
 
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a message may have."""
-DEFAULT_TEMPLATE = (
+DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
@@ -97,7 +97,8 @@ class ChatTemplate:
     ) -> ChatTemplate:
         """The template of the tokenizer.json at ``tokenizer_path``: ``override`` (a .jinja file)
         when given, else the folder's ``chat_template.jinja``, else its tokenizer_config.json's
-        ``chat_template``, else :data:`DEFAULT_TEMPLATE`; the special tokens from that config."""
+        ``chat_template``, else :data:`DEFAULT_CHAT_TEMPLATE`; the special tokens from that
+        config."""
         folder = Path(tokenizer_path).parent
         config: dict[str, Any] = {}
         config_path = folder / "tokenizer_config.json"
@@ -132,7 +133,7 @@ class ChatTemplate:
             )
         if isinstance(template, str):
             return cls(template, f"{config_path} chat_template", special)
-        return cls(DEFAULT_TEMPLATE, "plugtrain's default chat template", special)
+        return cls(DEFAULT_CHAT_TEMPLATE, "plugtrain's default chat template", special)
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
         """The conversation as text, as transformers renders it."""
@@ -146,6 +147,13 @@ class ChatTemplate:
             raise DataError(
                 f"chat template ({self.origin}) failed on a conversation: {type(e).__name__}: {e}"
             ) from e
+
+    def reply_end(self) -> str:
+        """The text the template writes after an assistant's reply (``<|eot_id|>``,
+        ``<|im_end|>\\n``): where a generated reply ends."""
+        probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+        whole = self.render(probe)
+        return whole[whole.rindex("!") + 1 :]
 
     def assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
         """Character spans of ``text`` (the conversation's rendering) that the assistant's

@@ -124,8 +124,13 @@ def complete(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
+    prompt_ids: list[int] | None = None,
+    stop_id: int | None = None,
 ) -> str:
     """The text ``model`` writes after ``prompt``, up to its end-of-text token (excluded).
+
+    ``prompt_ids``, when given, are the prompt already laid out (a chat template's), and
+    ``stop_id`` replaces the end-of-text token (a template's end of turn).
 
     The prompt is laid out as training documents are, after ``bos_id`` when the tokenizer has
     one. Sampling (``temperature`` > 0) draws from a generator seeded with ``seed`` on the
@@ -133,6 +138,9 @@ def complete(
     """
     device = next(model.parameters()).device
     ids = ([] if tokenizer.bos_id is None else [tokenizer.bos_id]) + tokenizer.encode(prompt)
+    if prompt_ids is not None:
+        ids = prompt_ids
+    stop = tokenizer.eos_id if stop_id is None else stop_id
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -144,10 +152,10 @@ def complete(
         top_k=top_k,
         top_p=top_p,
         generator=generator,
-        eos_id=tokenizer.eos_id,
+        eos_id=stop,
     )[0].tolist()
-    if tokenizer.eos_id in new:
-        new = new[: new.index(tokenizer.eos_id)]
+    if stop in new:
+        new = new[: new.index(stop)]
     # Decoded with the prompt, so that a character whose bytes straddle the boundary, or a
     # leading space a decoder strips at the start, come out as they would in the whole text.
     head, whole = tokenizer.decode(ids), tokenizer.decode(ids + new)
