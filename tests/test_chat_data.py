@@ -3,6 +3,7 @@ their masks, the refusals, and conversations longer than the sequence."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,13 +11,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from plugtrain.config import JobConfig, ModelConfig
+from plugtrain.data import IGNORE_INDEX, PackedDataset
 from plugtrain.data.chat import ChatOptions, ChatTemplate, encode_conversation
 from plugtrain.data.prepare import prepare
 from plugtrain.data.store import TokenStore, document_offsets
 from plugtrain.data.tokenizer import Tokenizer
-from plugtrain.errors import DataError
-from plugtrain.testing import SAMPLE, make_trainer
+from plugtrain.errors import ConfigError, DataError
+from plugtrain.model import FLAVORS, Transformer, cross_entropy
+from plugtrain.testing import SAMPLE, document_spans, make_trainer
+from plugtrain.training.loss_mean import check_masked_loss_parallelism
 
 CHAT = SAMPLE / "chat_validation.jsonl"
 TOKENIZER = SAMPLE / "tokenizer.json"
@@ -127,3 +133,65 @@ def test_the_run_refuses_a_bad_record_before_step_one(tmp_path: Path) -> None:
     fix = '{"messages": [{"role": ..., "content": "..."}, ...]}'
     assert str(refused.value) == f"input '{bad}' line 2: 'messages' is empty: give {fix}"
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@torch.no_grad()
+def test_packed_conversations_under_document_masking_each_get_their_loss_alone(
+    tmp_path: Path,
+) -> None:
+    """Two conversations packed into one row, with what chat data defaults to (document
+    masking and per-document positions): each one's assistant-only loss is its loss alone. The
+    boundary is the store's ``.idx``, though the default template ends every turn with EOS."""
+    two = _write(tmp_path / "two.jsonl", [{"messages": m} for m in conversations()[:2]])
+    folder = prepare([str(two)], tmp_path / "out", TOKENIZER, workers=1, progress=False).folder
+    store, eos = TokenStore(folder), Tokenizer.from_file(TOKENIZER).eos_id
+    first = int(document_offsets(folder, 0)[0])
+    assert (store.read(0, first) == eos).sum() > 1  # EOS boundaries would split a conversation
+    width = store.num_tokens - 1  # one sample: both conversations
+    batch = PackedDataset(store, width, documents=True, positions=True, loss_mask=True).collate([0])
+    assert batch.documents[0].tolist() == [0] * first + [1] * (width - first)
+    args = dataclasses.replace(
+        FLAVORS["tiny"], vocab_size=2048, max_seq_len=store.num_tokens, attention="document"
+    )
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    packed = model(batch.inputs, **batch.model_inputs())
+    causal = model(batch.inputs)  # the negative control: the second one sees the first
+    for i, span in enumerate(document_spans(batch.documents[0])):
+        ids = store.read(span.start, span.stop - span.start + 1)
+        tokens = torch.from_numpy(ids.astype(np.int64))
+        counted = torch.from_numpy(store.read_mask(span.start + 1, len(tokens) - 1)).bool()
+        alone_targets = tokens[1:].masked_fill(~counted, IGNORE_INDEX)[None]
+        assert alone_targets.equal(batch.targets[:, span])  # the boundary's target is not counted
+        alone = cross_entropy(model(tokens[None, :-1]), alone_targets)
+        mine = cross_entropy(packed[:, span], batch.targets[:, span])
+        assert abs(mine - alone) < 1e-5
+        error = (causal[:, span] - packed[:, span]).abs().max()
+        assert error < 1e-5 if i == 0 else error > 1e-2
+
+
+def test_chat_training_data_resolves_auto_attention_to_document_masking() -> None:
+    """``auto`` follows the data; a value the user set stays, and reset_positions follows."""
+    for attention, chat, expected in (
+        ("auto", True, "document"),
+        ("auto", False, "causal"),
+        ("causal", True, "causal"),
+        ("document", False, "document"),
+    ):
+        config = JobConfig(model=ModelConfig(attention=attention))
+        config.resolve_attention(chat=chat)
+        assert (config.model.attention, config.data.reset_positions) == (
+            expected,
+            expected == "document",
+        )
+    assert JobConfig().model.attention == "auto"  # unresolved until the data is read
+
+
+def test_chat_loss_is_refused_under_tensor_parallelism_naming_the_fix() -> None:
+    check_masked_loss_parallelism(1, "data.train_path 'chat.jsonl'")
+    with pytest.raises(ConfigError) as error:
+        check_masked_loss_parallelism(2, "data.train_path 'chat.jsonl'")
+    assert str(error.value) == (
+        "data.train_path 'chat.jsonl' is chat data, whose assistant-only loss does not run under "
+        "tensor parallelism yet (parallelism.tp = 2): set parallelism.tp = 1 (FSDP or HSDP alone)"
+    )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -37,9 +38,12 @@ def test_the_masked_loss_is_the_assistant_tokens_mean_as_transformers_computes_i
         *("--model.flavor", "hf", "--checkpoint.initial_load_path", str(chat_llama)),
         *("--model.tokenizer_path", "", "--data.train_path", str(CHAT_VALIDATION)),
         *("--data.shuffle", "false", "--training.batch_size", "2", "--training.seq_len", "64"),
+        # Set explicitly, causal stays: transformers' loss below is that of the packed rows.
+        *("--model.attention", "causal"),
     )
     batch = trainer.batches.next_batch()
-    ((inputs, targets, *_),) = batch
+    ((inputs, targets, documents, _),) = batch
+    assert documents is None and trainer.config.data.reset_positions is False
     data = trainer.train_data
     counted = torch.stack([torch.from_numpy(data.counted(i)) for i in (0, 1)]).bool()
     assert 0 < counted.sum() < counted.numel()  # some tokens count, not all
@@ -71,6 +75,9 @@ def _run(folder: Path, world_size: int, grad_accum: int) -> dict[int, float]:
         world_size=world_size,
     )
     (validation,) = [r["validation_loss"] for r in result.metrics if "validation_loss" in r]
+    # Chat data resolved the default attention: packed conversations do not see each other.
+    model = json.loads((folder / "config.json").read_text())["model"]
+    assert model["attention"] == "document"
     return {**result.losses, 0: validation}
 
 

@@ -76,8 +76,8 @@ class JobConfig:
                     " (or set checkpoint.initial_load_path to a Hugging Face folder)"
                 )
             self.model.hf_config = initial
-        if self.data.reset_positions == "auto":
-            self.data.reset_positions = self.model.attention == "document"
+        if self.model.attention != "auto":
+            self.resolve_attention(chat=False)
         lr, steps = self.lr_scheduler, self.training.steps
         if lr.decay_type == "wsd" and lr.warmup_steps + lr.decay_steps > steps:
             raise ConfigError(
@@ -85,6 +85,15 @@ class JobConfig:
                 f"'lr_scheduler.decay_steps' ({lr.decay_steps}) exceed 'training.steps' "
                 f"({steps}): lower them or raise training.steps"
             )
+
+    def resolve_attention(self, *, chat: bool) -> None:
+        """Resolve ``model.attention = "auto"`` (``document`` for chat training data, else
+        ``causal``), then ``data.reset_positions = "auto"`` from it; explicit values stay. The
+        trainer calls it once it knows whether its data is chat, before anything reads them."""
+        if self.model.attention == "auto":
+            self.model.attention = "document" if chat else "causal"
+        if self.data.reset_positions == "auto":
+            self.data.reset_positions = self.model.attention == "document"
 
     def plugin(self, name: str) -> Any:
         """The config section of plugin ``name``."""

@@ -46,11 +46,13 @@ class ModelConfig:
     """llama3 scaling: wavelengths below ``rope_original_max_seq_len / this`` are kept."""
     rope_original_max_seq_len: int = 8192
     """llama3 scaling: the context length of the unscaled model."""
-    attention: Literal["causal", "document"] = "causal"
+    attention: Literal["auto", "causal", "document"] = "auto"
     """``causal``: every token attends to all the tokens before it in its packed sequence,
     whichever document they belong to. ``document``: only to those of its own document (the
     documents' boundaries come from the token store); on CUDA through flex attention, on the
-    CPU through SDPA with a boolean mask. With it, ``data.reset_positions`` defaults to true."""
+    CPU through SDPA with a boolean mask. With it, ``data.reset_positions`` defaults to true.
+    ``auto``: ``document`` when the training data is chat (packed conversations never see
+    each other), else ``causal``."""
 
     def __post_init__(self) -> None:
         choices = (*FLAVORS, "hf")
@@ -126,8 +128,9 @@ class ModelConfig:
         )
 
 
-ATTENTION_VARIANTS = {"causal": "sdpa", "document": "document"}
-"""``model.attention``'s values and the ``ModelArgs.attention`` variant each names."""
+ATTENTION_VARIANTS = {"auto": "sdpa", "causal": "sdpa", "document": "document"}
+"""``model.attention``'s values and the ``ModelArgs.attention`` variant each names (``auto``,
+before the run has read its data and resolved it, as for ``plugtrain estimate``: causal)."""
 
 
 _SHAPE_OPTIONS = {"tie_embeddings": False, "ffn_dim": None, "rope_scaling": "none"}

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from plugtrain.data.skips import read_skip_file as read_skip_file
     from plugtrain.data.skips import write_skip_file as write_skip_file
     from plugtrain.data.sources import iter_documents as iter_documents
+    from plugtrain.data.store import TokenStore as TokenStore
     from plugtrain.data.tokenizer import BOS_TOKEN as BOS_TOKEN
     from plugtrain.data.tokenizer import EOS_TOKEN as EOS_TOKEN
     from plugtrain.data.tokenizer import Tokenizer as Tokenizer

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from plugtrain.data import IGNORE_INDEX, MicroBatch
+from plugtrain.errors import ConfigError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,3 +56,16 @@ class StepLoss:
             return self.loss_fn(logits, targets) / num_microbatches
         assert self._weight is not None, "start() the step first"
         return self.loss_fn(logits, targets) * self._weight
+
+
+def check_masked_loss_parallelism(tp: int, source: str) -> None:
+    """Refuse, in one line, chat data's assistant-only loss (``source``, a config key and path)
+    under tensor parallelism: its summed loss over vocabulary-sharded logits and its count of
+    the step's tokens over every rank (each batch counted ``tp`` times) are not written for it
+    yet."""
+    if tp > 1:
+        raise ConfigError(
+            f"{source} is chat data, whose assistant-only loss does not run under tensor "
+            f"parallelism yet (parallelism.tp = {tp}): set parallelism.tp = 1 (FSDP or HSDP "
+            "alone)"
+        )

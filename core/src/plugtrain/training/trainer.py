@@ -40,6 +40,7 @@ from plugtrain.data import (
     SkippingLoader,
     StatefulBatchLoader,
     Tokenizer,
+    TokenStore,
     count_eval_batches,
     iter_eval_batches,
     open_token_store,
@@ -79,7 +80,7 @@ from plugtrain.plugin import (
 )
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.estimate import estimate_run
-from plugtrain.training.loss_mean import StepLoss
+from plugtrain.training.loss_mean import StepLoss, check_masked_loss_parallelism
 from plugtrain.training.loss_terms import LossTerms
 from plugtrain.training.optim import LRSchedule, build_optimizer, lr_factor
 from plugtrain.training.requests import RunRequests
@@ -239,10 +240,16 @@ class Trainer:
     def _train_dataset(self) -> PackedDataset | MixtureDataset:
         """``data.train_path``'s samples, or the mixture of ``data.sources`` when set."""
         data = self.config.data
+        named = [(s["path"], f"data.sources[{i}]") for i, s in enumerate(data.sources)]
+        named = named or [(data.train_path, "data.train_path")]
+        stores = [self._store(path, key) for path, key in named]
+        # Read before the model is built, so that "auto" attention can follow the data.
+        self.config.resolve_attention(chat=any(store.chat is not None for store in stores))
+        datasets = [self._packed(store, *where) for store, where in zip(stores, named, strict=True)]
         if not data.sources:
-            return self._dataset(data.train_path, "data.train_path")
+            return datasets[0]
         return MixtureDataset(
-            [self._dataset(s["path"], f"data.sources[{i}]") for i, s in enumerate(data.sources)],
+            datasets,
             [s.get("weight", 1.0) for s in data.sources],
             data.source_names(),
             seed=self.config.training.seed,
@@ -251,6 +258,10 @@ class Trainer:
 
     def _dataset(self, path: str, key: str) -> PackedDataset:
         """The samples of config key ``key``'s prepared folder or data file (see data.cache)."""
+        return self._packed(self._store(path, key), path, key)
+
+    def _store(self, path: str, key: str) -> TokenStore:
+        """Config key ``key``'s prepared folder or data file, opened (see data.cache)."""
         data, seq_len = self.config.data, self.config.training.seq_len
         chat = ChatOptions(data.format, data.chat_template, seq_len, data.chat_overlong)
         store = open_token_store(
@@ -274,13 +285,21 @@ class Trainer:
                 counts["max_tokens"],
                 counts["dropped"],
             )
+        return store
+
+    def _packed(self, store: TokenStore, path: str, key: str) -> PackedDataset:
+        """``store``'s samples, with the documents, positions and loss mask the run uses."""
+        data = self.config.data
+        masked = store.chat is not None and data.chat_loss == "assistant"
+        if masked:
+            check_masked_loss_parallelism(self.world.tp, f"{key} '{path}'")
         return PackedDataset(
             store,
-            seq_len,
+            self.config.training.seq_len,
             source=f"{key} '{path}'",
             documents=self.config.model.attention == "document",
             positions=data.reset_positions is True,
-            loss_mask=store.chat is not None and data.chat_loss == "assistant",
+            loss_mask=masked,
         )
 
     def _warn_if_schedule_differs(self) -> None:
