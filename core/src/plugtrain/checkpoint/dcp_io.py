@@ -108,12 +108,16 @@ def read_metadata(path: str | os.PathLike[str], reader: StorageReader | None = N
         raise damaged(path, f"cannot read its .metadata ({one_line(e)})") from e
 
 
-def read_checkpoint(path: str | os.PathLike[str], prefix: str = "") -> dict[str, torch.Tensor]:
+def read_checkpoint(
+    path: str | os.PathLike[str], prefix: str = "", reader: StorageReader | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of checkpoint folder ``path`` whose key starts with ``prefix``, as full
     tensors by flattened key (``model.layers.0.attention.wq.weight``), read in this process
-    alone: to inspect or export a checkpoint, or to compare two."""
-    path = Path(path)
-    metadata = read_metadata(path)
+    alone: to inspect or export a checkpoint, or to compare two. ``reader``: a safe reader of
+    it on another medium (a ``CheckpointStorage``'s), for a checkpoint that is no folder."""
+    if reader is None:
+        path = Path(path)
+    metadata = read_metadata(path, reader)
     state = {
         key: torch.empty(md.size, dtype=md.properties.dtype)
         for key, md in metadata.state_dict_metadata.items()
@@ -125,7 +129,7 @@ def read_checkpoint(path: str | os.PathLike[str], prefix: str = "") -> dict[str,
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(
             state,
-            storage_reader=SafeFileSystemReader(path),
+            storage_reader=reader or SafeFileSystemReader(path),
             planner=TensorOnlyLoadPlanner(),
             no_dist=True,
         )

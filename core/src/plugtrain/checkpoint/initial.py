@@ -48,7 +48,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim import Optimizer
 
 from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner, flat_keys
-from plugtrain.checkpoint.layout import CONFIG, STEP_DIR, checkpoint_folder, complete_checkpoints
+from plugtrain.checkpoint.layout import CONFIG, STEP_DIR
+from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.config import CheckpointConfig
 from plugtrain.errors import CheckpointError, one_line
 from plugtrain.model import ModelArgs, from_hf, model_args_from_hf, to_hf
@@ -72,10 +73,10 @@ def initial_load_ignored(config: CheckpointConfig, dump_folder: str | os.PathLik
     checkpoint it resumes from, as the :class:`CheckpointManager` will pick it."""
     if not config.enable or config.load_step == 0:
         return ""
-    available = complete_checkpoints(checkpoint_folder(dump_folder))
+    available = open_storage(dump_folder, config.endpoint_url, config.store_retries).steps()
     if not available:
         return ""
-    step = config.load_step if config.load_step > 0 else max(available)
+    step = config.load_step if config.load_step > 0 else available[-1]
     return (
         f"resuming from step-{step} ({_KEY} ignored: the dump folder has checkpoints, "
         f"{', '.join(f'step-{s}' for s in available)})"

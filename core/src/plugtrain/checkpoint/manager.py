@@ -3,10 +3,11 @@
 Checkpoints are ``torch.distributed.checkpoint`` (DCP) ones, one per step; each rank writes its
 own shard of the model and optimizer state. The manager decides when to save, what
 state to gather and what to resume from; everything that touches the medium goes through a
-:class:`~plugtrain.checkpoint.storage.CheckpointStorage` (today :class:`LocalStorage`:
-``<job.dump_folder>/checkpoints/step-<N>/``). A save stages the checkpoint, waits until every
-rank has finished writing its shard (a barrier), then rank 0 commits it, atomically: a crash at
-any moment leaves either the complete checkpoint or none, and never touches the previous one.
+:class:`~plugtrain.checkpoint.storage.CheckpointStorage` (``LocalStorage``:
+``<job.dump_folder>/checkpoints/step-<N>/``; ``FsspecStorage`` for an ``s3://`` dump folder).
+A save stages the checkpoint, waits until every rank has finished writing its shard (a
+barrier), then rank 0 commits it, atomically: a crash at any moment leaves either the complete
+checkpoint or none, and never touches the previous one.
 
 What a checkpoint holds (the keys of the DCP state dict): ``model`` and ``optimizer`` (from
 ``get_state_dict``, sharded DTensors), ``lr_scheduler``, ``data`` (the loader's position),
@@ -65,9 +66,10 @@ from plugtrain.checkpoint.dcp_io import (
     to_tensors,
 )
 from plugtrain.checkpoint.faults import Fault
-from plugtrain.checkpoint.layout import CONFIG, checkpoint_folder
+from plugtrain.checkpoint.layout import CONFIG
+from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.rng import rng_state, set_rng_state
-from plugtrain.checkpoint.storage import CheckpointStorage, LocalStorage
+from plugtrain.checkpoint.storage import CheckpointStorage
 from plugtrain.config import CheckpointConfig
 from plugtrain.distributed import World
 from plugtrain.errors import CheckpointError, one_line
@@ -134,7 +136,9 @@ class CheckpointManager:
         self.run_config = run_config
         self.resumed_from: dict[str, Any] | None = None
         """The checkpoint :meth:`load` resumed from, ``{"path", "step"}``; None for a new run."""
-        self.storage: CheckpointStorage = LocalStorage(checkpoint_folder(dump_folder))
+        self.storage: CheckpointStorage = open_storage(
+            dump_folder, config.endpoint_url, config.store_retries
+        )
         self.world = world
         self.total_steps = total_steps
         self.model, self.optimizer = model, optimizer
@@ -149,6 +153,7 @@ class CheckpointManager:
         self._faults = Fault.from_env(self.world.rank)
         if not self.config.enable:
             return
+        self.storage.check()
         if self.world.world_size > 1:
             # A CPU (gloo) group for the save barriers, whatever the training backend: a few
             # bytes over TCP, no device synchronisation.

@@ -33,8 +33,9 @@ writes its own shard through :meth:`~CheckpointStorage.writer` and reads through
     step-100.deleting/   being deleted: never listed
 
 Its commit is the rename of ``step-<N>.partial/`` to ``step-<N>/``, atomic on a POSIX file
-system. (A store without an atomic rename can commit by writing a marker object last, and list
-only the steps that have one.)
+system. A store without an atomic rename commits by writing a marker object last, and lists
+only the steps that have one: :class:`~plugtrain.checkpoint.object_store.FsspecStorage`, which
+:func:`~plugtrain.checkpoint.object_store.open_storage` picks for a URL.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ class CheckpointStorage(ABC):
     @abstractmethod
     def where(self, step: int) -> Path | str:
         """Where the checkpoint of ``step`` is once committed, for messages and hooks."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Refuse, with a one-line ``CheckpointError``, a medium that cannot be reached (at
+        start-up, on every rank)."""
 
     @abstractmethod
     def steps(self) -> list[int]:
@@ -152,6 +158,9 @@ class LocalStorage(CheckpointStorage):
 
     def _staging(self, step: int) -> Path:
         return self.folder / f"step-{step}{PARTIAL}"
+
+    def check(self) -> None:
+        """Nothing: the dump folder's lock has checked that the folder can be written."""
 
     def steps(self) -> list[int]:
         return list(complete_checkpoints(self.folder))

@@ -38,6 +38,13 @@ class CheckpointConfig:
     unless ``model.tokenizer_path`` is set) or a plugtrain ``step-N`` checkpoint folder. Ignored
     when the dump folder holds checkpoints: the run then resumes from them. ``model.flavor``
     must have the loaded model's shape."""
+    endpoint_url: str = ""
+    """With ``job.dump_folder`` an ``s3://`` URL: the endpoint of an S3-compatible store
+    (``http://127.0.0.1:9000``); empty: botocore's own choice (``AWS_ENDPOINT_URL_S3``,
+    ``AWS_ENDPOINT_URL``, else AWS). Credentials always come from the AWS chain, never here."""
+    store_retries: int = 3
+    """With ``job.dump_folder`` a URL: how many times an upload, copy or removal that fails is
+    tried again (waiting 0.5 s, then twice as long each time) before the save fails."""
     initial_load_model_only: bool = True
     """With ``initial_load_path`` a plugtrain checkpoint: false takes AdamW's state (moments and
     its step count) too, e.g. to branch a decay run from a stable-phase checkpoint. The step,
@@ -64,6 +71,9 @@ class CheckpointConfig:
             self.enable or not self.discard_later,
             "discard_later",
             "needs checkpoint.enable = true: add --checkpoint.enable true",
+        )
+        check_field(
+            self.store_retries >= 0, "store_retries", f"must be >= 0, got {self.store_retries}"
         )
         check_field(
             self.initial_load_model_only or bool(self.initial_load_path),

@@ -7,11 +7,13 @@ other core section has a module of its own in this package.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from plugtrain.config.checkpoint import CheckpointConfig
 from plugtrain.config.data import DataConfig, ValidationConfig
@@ -19,7 +21,27 @@ from plugtrain.config.metrics import MetricsConfig
 from plugtrain.config.model import ModelConfig
 from plugtrain.config.parallelism import ParallelismConfig
 from plugtrain.config.training import LRSchedulerConfig, OptimizerConfig, TrainingConfig
-from plugtrain.errors import ConfigError
+from plugtrain.errors import ConfigError, require_extra
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an fsspec URL (``s3://...``) rather than a local path."""
+    return "://" in os.fspath(path)
+
+
+def check_url(url: str, option: str) -> None:
+    """Refuse, in one line naming ``option``, a URL that carries credentials or misses a bucket,
+    or whose scheme's package is not installed."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        raise ConfigError(
+            f"{option} {parts.scheme}://...@{parts.hostname}/... holds credentials: remove them "
+            "from the URL and use the AWS credential chain (environment or ~/.aws files)"
+        )
+    if not parts.netloc:
+        raise ConfigError(f"{option} {url} names no bucket: use {parts.scheme}://BUCKET/PREFIX")
+    if parts.scheme in ("s3", "s3a"):
+        require_extra("s3fs", "s3", f"{option} {url}")
 
 
 @dataclass
@@ -27,9 +49,33 @@ class JobInfoConfig:
     """Where the run writes its records, and how it is described."""
 
     dump_folder: str = "outputs/run"
-    """Folder the run writes its metrics, resolved config and checkpoints to."""
+    """Folder the run writes its metrics, resolved config and checkpoints to; or an fsspec URL
+    (``s3://bucket/prefix``, extra ``plugtrain[s3]``) for the checkpoints alone, with
+    ``local_folder`` for the rest (docs/checkpoints.md, "Object storage")."""
+    local_folder: str = ""
+    """Folder for the files the run keeps locally (metrics, run records, logs of skipped data,
+    traces, the run's lock); empty: ``dump_folder`` itself. Needed when ``dump_folder`` is a
+    URL."""
     description: str = "plugtrain run"
     """Free text, recorded with the run."""
+
+    def __post_init__(self) -> None:
+        if is_url(self.dump_folder):
+            check_url(self.dump_folder, "job.dump_folder")
+            if not self.local_folder:
+                raise ConfigError(
+                    f"job.dump_folder {self.dump_folder} is a URL, which holds the checkpoints "
+                    "only: set job.local_folder to a local folder for the metrics and run records"
+                )
+        elif is_url(self.local_folder):
+            raise ConfigError(
+                f"job.local_folder {self.local_folder} must be a local folder, not a URL"
+            )
+
+    @property
+    def records_folder(self) -> str:
+        """The local folder of the run's metrics, records, traces and lock."""
+        return self.local_folder or self.dump_folder
 
 
 @dataclass

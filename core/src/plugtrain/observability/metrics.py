@@ -264,7 +264,7 @@ class MetricsLogger:
 
     def __init__(self, config: JobConfig, *, enabled: bool) -> None:
         self.enabled = enabled
-        self.folder = Path(config.job.dump_folder)
+        self.folder = Path(config.job.records_folder)
         self.path = self.folder / "metrics.jsonl"
         self.color = use_color(sys.stderr)
         self.shown: dict[str, bool] = {}
@@ -358,8 +358,10 @@ def write_run_records(
     resumed_from: Mapping[str, Any] | None = None,
     lr_schedule_steps: int | None = None,
     initial_load: Mapping[str, Any] | None = None,
+    checkpoints: str | None = None,
 ) -> None:
-    """Write ``config.json`` (the resolved config) and ``run.json`` to the dump folder.
+    """Write ``config.json`` (the resolved config) and ``run.json`` to the dump folder (the
+    local one, ``job.local_folder``, when ``job.dump_folder`` is a URL).
 
     ``plugins`` describes each enabled plugin (``PluginHost.report``): its distribution and
     version, and for one that deactivated itself in ``setup``, ``inactive`` with its reason.
@@ -368,8 +370,9 @@ def write_run_records(
     which may differ from ``training.steps``). ``initial_load`` is what a fresh start's
     weights came from (``checkpoint.initial_load_path``: ``kind``, ``path``, the Hugging Face
     ``model`` or the checkpoint's ``step``, the sha256 of its ``config.json``).
+    ``checkpoints`` is where the run's checkpoints go (a folder or a URL; None: none saved).
     """
-    folder = Path(config.job.dump_folder)
+    folder = Path(config.job.records_folder)
     folder.mkdir(parents=True, exist_ok=True)
     run = {
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -384,6 +387,7 @@ def write_run_records(
         "resumed_from": dict(resumed_from) if resumed_from is not None else None,
         "lr_schedule_steps": lr_schedule_steps,
         "initial_load": dict(initial_load) if initial_load is not None else None,
+        "checkpoints": checkpoints,
     }
     for name, data in (("config.json", config.to_dict()), ("run.json", run)):
         (folder / name).write_text(json.dumps(data, indent=2) + "\n")

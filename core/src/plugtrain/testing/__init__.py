@@ -49,6 +49,10 @@ the canonical ``torch.amp.GradScaler`` loop (clipping optional) on a trainer's m
 device, that the ``grad_scaler`` plugin must equal bit for bit; :func:`grad_norm` reads a
 model's global gradient norm.
 
+Object storage (:mod:`~plugtrain.testing.s3`, with ``moto[server]`` and s3fs installed):
+:class:`S3Server` is a real S3 server on the loopback address, with a bucket and test
+credentials; the ``s3_server`` fixture is one for a test module, its environment set.
+
 Plugin objects handed to a multi-process run are pickled into spawned processes: define their
 classes at module level. Functions handed to :func:`run_distributed` must be module level too,
 in any module, test files included (a module that is not importable by name, as pytest's
@@ -103,6 +107,7 @@ if TYPE_CHECKING:
     from plugtrain.testing.runs import read_metrics as read_metrics
     from plugtrain.testing.runs import tiny_args as tiny_args
     from plugtrain.testing.runs import tiny_run as tiny_run
+    from plugtrain.testing.s3 import S3Server as S3Server
 else:
     from plugtrain.exports import front_door
 

@@ -1,4 +1,4 @@
-"""The kit's pytest plugin: the ``plugtrain_run`` and ``plugtrain_cache`` fixtures.
+"""The kit's pytest plugin: the ``plugtrain_run``, ``plugtrain_cache`` and ``s3_server`` fixtures.
 
 Installing plugtrain registers this module with pytest (the ``pytest11`` entry point
 ``plugtrain``), in every pytest session of the environment, so loading it costs nothing: it
@@ -10,7 +10,7 @@ data cache (:mod:`plugtrain.testing.session`), which is made only when a test fi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from plugtrain.testing.session import session_cache
 
 if TYPE_CHECKING:
     from plugtrain.testing.runs import RunResult
+    from plugtrain.testing.s3 import S3Server
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -55,3 +56,13 @@ def plugtrain_run(tmp_path: Path, plugtrain_cache: Path) -> Callable[..., RunRes
         return tiny_run(tmp_path / f"run{next(calls)}", *args, **kwargs)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[S3Server]:
+    """A real S3 server on 127.0.0.1 (:class:`~plugtrain.testing.S3Server`) for the test
+    module, its credentials and endpoint set in ``os.environ`` while it runs."""
+    from plugtrain.testing.s3 import S3Server
+
+    with S3Server() as server, server.environ():
+        yield server

@@ -104,7 +104,7 @@ class Trainer:
         )
         setup_logging(self.world.rank, config.metrics.log_all_ranks)
         # Before anything is written to the folder; a second run must leave it untouched.
-        self.dump_folder_lock = lock_dump_folder(config.job.dump_folder, self.world)
+        self.dump_folder_lock = lock_dump_folder(config.job.records_folder, self.world)
         try:
             self._build()
         except BaseException:
@@ -202,7 +202,7 @@ class Trainer:
         )
         self.tracer: HookTracer | None = None
         if tracing_requested(config.metrics.trace_hooks):
-            self.tracer = HookTracer.install(host, config.job.dump_folder, self.world.rank)
+            self.tracer = HookTracer.install(host, config.job.records_folder, self.world.rank)
         self._setup_plugins()
         # SIGTERM only with checkpoints: without, stopping saves nothing (see stop.py).
         self.stop = StopSignals(self.world.world_size, sigterm=config.checkpoint.enable)
@@ -218,7 +218,7 @@ class Trainer:
             run_config=config.to_dict(),
         )
         self.requests = RunRequests(
-            self.control, self.batches, self.checkpointer, config.job.dump_folder, self.world
+            self.control, self.batches, self.checkpointer, config.job.records_folder, self.world
         )
         self.requests.resume()
         if self.step >= train_cfg.steps:
@@ -235,6 +235,9 @@ class Trainer:
                 resumed_from=self.checkpointer.resumed_from,
                 initial_load=None if self.initial_load is None else self.initial_load.record(),
                 lr_schedule_steps=self.lr_scheduler.total_steps,
+                checkpoints=(
+                    str(self.checkpointer.storage.location) if config.checkpoint.enable else None
+                ),
             )
 
     def _train_dataset(self) -> PackedDataset | MixtureDataset:

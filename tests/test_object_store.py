@@ -1,0 +1,153 @@
+"""FsspecStorage against a real S3 server on 127.0.0.1: marker commits, listing, retention,
+clean-up, retries and the one-line refusals; no training run (one server for the module)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from plugtrain.checkpoint.dcp_io import read_checkpoint
+from plugtrain.checkpoint.object_store import MARKER, FsspecStorage, open_storage
+from plugtrain.config import JobInfoConfig
+from plugtrain.errors import CheckpointError, ConfigError
+from plugtrain.testing import free_port
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+RUN_CONFIG = {"training": {"steps": 8}, "optimizer": {"lr": 0.003}}
+_prefixes = itertools.count()
+
+
+def save(storage: FsspecStorage, step: int, commit: bool = True) -> dict[str, torch.Tensor]:
+    """Stage and write a small checkpoint of ``step`` in this one process, as a save does."""
+    state = {"w": torch.full((3,), float(step)), "train": {"step": torch.tensor(step)}}
+    storage.stage(step, RUN_CONFIG)
+    dcp.save(state, storage_writer=storage.writer(step), no_dist=True)
+    if commit:
+        storage.commit(step)
+    return state
+
+
+@pytest.fixture
+def storage(s3_server) -> FsspecStorage:
+    """A fresh prefix of the module's server; a failure is tried twice, 10 ms apart."""
+    url = s3_server.url(f"run{next(_prefixes)}")
+    return FsspecStorage(url, s3_server.endpoint, attempts=2, backoff_s=0.01)
+
+
+def objects(s3_server, storage: FsspecStorage) -> list[str]:
+    fs = s3_server.filesystem()
+    return sorted(p[len(storage.root) + 1 :] for p in fs.find(storage.root))
+
+
+def test_a_marked_checkpoint_is_listed_and_reads_back(s3_server, storage):
+    assert storage.steps() == [] and not storage.exists(5)
+    state = save(storage, 5)
+    assert storage.location == f"{storage.url}/checkpoints"
+    assert storage.where(5) == f"{storage.url}/checkpoints/step-5"
+    assert storage.steps() == [5] and storage.exists(5)
+    assert objects(s3_server, storage) == [
+        f"step-5/{MARKER}", "step-5/.metadata", "step-5/__0_0.distcp", "step-5/config.json",
+    ]  # fmt: skip
+    assert storage.read_config(5) == RUN_CONFIG
+    loaded = read_checkpoint(storage.where(5), reader=storage.reader(5))
+    assert torch.equal(loaded["w"], state["w"]) and loaded["train.step"].item() == 5
+    assert storage.size(5) == sum(
+        s3_server.filesystem().du(f"{storage.root}/step-5", total=False).values()
+    )
+
+
+def test_an_unmarked_checkpoint_is_never_listed_and_is_cleaned(s3_server, storage):
+    save(storage, 2)
+    save(storage, 4, commit=False)  # every shard and .metadata written: complete to DCP
+    assert "step-4/.metadata" in objects(s3_server, storage)
+    assert storage.steps() == [2] and not storage.exists(4)
+    storage.clean()
+    assert objects(s3_server, storage) == [
+        f"step-2/{MARKER}", "step-2/.metadata", "step-2/__0_0.distcp", "step-2/config.json",
+    ]  # fmt: skip
+
+
+def test_staging_again_replaces_what_a_crash_left(s3_server, storage):
+    save(storage, 3, commit=False)
+    s3_server.filesystem().pipe(f"{storage.root}/step-3/left-by-a-crash", b"x")
+    storage.stage(3, {"other": 1})
+    assert objects(s3_server, storage) == ["step-3/config.json"]
+    assert not storage.exists(3)
+
+
+def test_a_commit_never_replaces_a_complete_checkpoint(storage):
+    save(storage, 2)
+    with pytest.raises(FileExistsError, match="step-2 is already complete"):
+        storage.commit(2)
+    assert storage.steps() == [2]
+
+
+def test_retention_deletes_only_marked_checkpoints_oldest_first(s3_server, storage):
+    for step in (1, 2, 3):
+        save(storage, step)
+    save(storage, 4, commit=False)
+    assert storage.prune(keep=2, up_to=3) == [1]
+    assert storage.steps() == [2, 3]
+    assert {p.split("/")[0] for p in objects(s3_server, storage)} == {"step-2", "step-3"}
+    assert storage.prune(keep=0, up_to=3) == []  # 0 keeps every one
+
+
+def test_a_delete_unlists_before_it_removes(s3_server, storage):
+    save(storage, 1)
+    fs = s3_server.filesystem()
+    fs.rm_file(f"{storage.root}/step-1/{MARKER}")  # a crash after unlisting, before removing
+    assert storage.steps() == []
+    storage.clean()
+    assert objects(s3_server, storage) == []
+    save(storage, 2)
+    storage.delete(2)
+    assert storage.steps() == [] and objects(s3_server, storage) == []
+
+
+def test_a_save_to_a_stopped_store_fails_after_its_retries_and_keeps_the_last(s3_server, storage):
+    save(storage, 1)
+    storage.stage(2, RUN_CONFIG)
+    s3_server.stop()
+    try:
+        with pytest.raises(dcp.CheckpointException, match="failed 2 times"):
+            dcp.save({"w": torch.ones(3)}, storage_writer=storage.writer(2), no_dist=True)
+        storage.discard(2)  # never raises, even with the store away
+    finally:
+        s3_server.start()
+    assert storage.steps() == [1]
+
+
+def test_an_unreachable_store_is_refused_in_one_line(s3_server):
+    url = s3_server.url("nowhere")
+    storage = open_storage(url, f"http://127.0.0.1:{free_port()}", retries=0)
+    with pytest.raises(CheckpointError) as e:
+        storage.check()
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"cannot reach the checkpoint store {url}/")
+    assert "checkpoint.endpoint_url" in message and s3_server.secret not in message
+    open_storage(url, s3_server.endpoint).check()  # the same URL, reachable
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"dump_folder": "s3://b/run"}, "job.dump_folder s3://b/run is a URL, which holds the "
+         "checkpoints only: set job.local_folder"),
+        ({"dump_folder": "s3://AKIA:secret@b/run", "local_folder": "x"}, "holds credentials"),
+        ({"dump_folder": "s3:///run", "local_folder": "x"}, "names no bucket"),
+        ({"local_folder": "s3://b/x"}, "must be a local folder, not a URL"),
+    ],
+)  # fmt: skip
+def test_a_bad_url_is_refused_in_one_line(fields, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        JobInfoConfig(**fields)
+    assert "secret" not in str(e.value)
+
+
+def test_the_local_folder_holds_the_records():
+    assert JobInfoConfig(dump_folder="s3://b/run", local_folder="out").records_folder == "out"
+    assert JobInfoConfig(dump_folder="out/run").records_folder == "out/run"
