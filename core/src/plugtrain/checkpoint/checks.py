@@ -170,14 +170,18 @@ def exists_error(path: Path | str) -> CheckpointError:
 
 
 def save_failed(
-    path: Path | str, location: Path | str, error: BaseException | None, free: int | None
+    path: Path | str,
+    location: Path | str,
+    error: BaseException | None,
+    free: int | None,
+    fix: str = "free space or set job.dump_folder elsewhere",
 ) -> CheckpointError:
     """A save of checkpoint ``path`` that failed with ``error`` (None: rank 0 could not begin
-    it), with ``free`` bytes left at ``location``."""
+    it), with ``free`` bytes left at ``location``; ``fix``: what to do (the medium's)."""
     space = "" if free is None else f" ({free / 2**20:.1f} MiB free in {location})"
     return CheckpointError(
         f"cannot save checkpoint {path}: {_write_failure_cause(error, free)}{space}; the "
-        "previous checkpoints are intact: free space or set job.dump_folder elsewhere"
+        f"previous checkpoints are intact: {fix}"
     )
 
 

@@ -183,7 +183,11 @@ class CheckpointManager:
         :class:`CheckpointError` naming the cause; the complete checkpoints stay as they are.
         """
         self.wait()
-        if self.storage.exists(step):
+        try:
+            taken = self.storage.exists(step)
+        except OSError as e:  # the medium cannot be read (a store away)
+            raise self._save_failed(step, e) from e
+        if taken:
             raise exists_error(self.storage.where(step))
         start = time.perf_counter()
         failure: OSError | None = None
@@ -235,7 +239,9 @@ class CheckpointManager:
         free = self.storage.free_bytes()
         if self.world.is_main:
             self.storage.discard(step)
-        return save_failed(self.storage.where(step), self.storage.location, error, free)
+        return save_failed(
+            self.storage.where(step), self.storage.location, error, free, self.storage.save_fix
+        )
 
     def _commit(self, step: int, start: float, group: dist.ProcessGroup | None) -> None:
         """Once every rank has written its shard, make the checkpoint visible (rank 0), then
@@ -248,6 +254,8 @@ class CheckpointManager:
                 self.storage.commit(step)
             except FileExistsError as e:  # appeared since save() looked
                 raise exists_error(self.storage.where(step)) from e
+            except OSError as e:  # the marker could not be written: not complete
+                raise self._save_failed(step, e) from e
         # So that on every rank a returned save is a visible one.
         self._barrier(group)
         if not self.world.is_main:

@@ -22,6 +22,7 @@ own ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``) points at an S3-compatible s
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -62,7 +63,8 @@ def _retrying(what: str, attempts: int, backoff_s: float, call: Callable[[], T])
             return call()
         except Exception as e:  # the store's errors come as many types (botocore, aiohttp)
             if attempt == attempts - 1:
-                raise OSError(f"{what} failed {attempts} times, last: {one_line(e)}") from e
+                why = f"{what} failed {attempts} times, last: {one_line(e)}"
+                raise OSError(errno.EIO, why) from e
             wait = backoff_s * 2**attempt
             logger.warning("%s failed (%s), trying again in %.1f s", what, one_line(e), wait)
             time.sleep(wait)
@@ -151,6 +153,11 @@ class FsspecStorage(CheckpointStorage):
     """Checkpoints as ``step-<N>/`` prefixes under ``<url>/checkpoints``, each complete once its
     :data:`MARKER` exists (see the module)."""
 
+    save_fix = (
+        "once the store answers again, run the same command: it resumes from the latest "
+        "(raise checkpoint.store_retries to ride out longer outages)"
+    )
+
     def __init__(
         self,
         url: str,
@@ -214,11 +221,13 @@ class FsspecStorage(CheckpointStorage):
         return found
 
     def steps(self) -> list[int]:
-        return sorted(s for s, marked in self._prefixes().items() if marked)
+        found = self._retry(f"listing of {self.location}", self._prefixes)
+        return sorted(s for s, marked in found.items() if marked)
 
     def exists(self, step: int) -> bool:
+        marker = f"{self._prefix(step)}/{MARKER}"
         self.fs.invalidate_cache(self._prefix(step))
-        return bool(self.fs.exists(f"{self._prefix(step)}/{MARKER}"))
+        return self._retry(f"lookup of {self.where(step)}", lambda: bool(self.fs.exists(marker)))
 
     def stage(self, step: int, run_config: Mapping[str, Any]) -> None:
         self._remove(step)  # what a crash left while saving this very step
@@ -255,10 +264,12 @@ class FsspecStorage(CheckpointStorage):
         return reader
 
     def read_config(self, step: int) -> dict[str, Any]:
-        return json.loads(self.fs.cat_file(f"{self._prefix(step)}/{CONFIG}"))
+        path = f"{self._prefix(step)}/{CONFIG}"
+        return json.loads(self._retry(f"download of {path}", lambda: self.fs.cat_file(path)))
 
     def size(self, step: int) -> int:
-        return int(self.fs.du(self._prefix(step)))
+        prefix = self._prefix(step)
+        return int(self._retry(f"listing of {prefix}", lambda: self.fs.du(prefix)))
 
     def free_bytes(self) -> int | None:
         return None
@@ -271,7 +282,7 @@ class FsspecStorage(CheckpointStorage):
         self._remove(step)
 
     def clean(self) -> None:
-        for step, marked in self._prefixes().items():
+        for step, marked in self._retry(f"listing of {self.location}", self._prefixes).items():
             if not marked:
                 self._remove(step)
 

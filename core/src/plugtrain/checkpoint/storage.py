@@ -65,6 +65,9 @@ DELETING = ".deleting"
 class CheckpointStorage(ABC):
     """Where a run's checkpoints live, one per step, and everything that touches them there."""
 
+    save_fix = "free space or set job.dump_folder elsewhere"
+    """What to do about a failed save, for its one-line error."""
+
     @property
     @abstractmethod
     def location(self) -> Path | str:

@@ -1,0 +1,148 @@
+"""Training runs with checkpoints on a real S3 server (127.0.0.1): resume bit for bit after a
+kill mid-upload, a store that fails mid-save, one that is unreachable at start, no secret
+written. One set of runs (the ``runs`` fixture) serves every assert of the first tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plugtrain.checkpoint import checkpoint_folder, complete_checkpoints, read_checkpoint
+from plugtrain.checkpoint.faults import FAULT_ENV
+from plugtrain.checkpoint.object_store import MARKER, open_storage
+from plugtrain.cli import train
+from plugtrain.errors import CheckpointError
+from plugtrain.plugin import hookimpl
+from plugtrain.testing import free_port, make_trainer, read_metrics, tiny_args
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 6
+CHECKPOINTS = ["--checkpoint.enable", "true", "--checkpoint.interval", "2",
+               "--checkpoint.keep_latest_k", "2"]  # fmt: skip
+
+
+def s3_args(server, prefix: str, local: Path, *extra: str) -> list[str]:
+    """A tiny run's arguments with its checkpoints at ``prefix`` of ``server``."""
+    return [*CHECKPOINTS, "--job.local_folder", str(local), "--checkpoint.endpoint_url",
+            server.endpoint, *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(s3_server, tmp_path_factory):
+    """The uninterrupted run on the local disk; the same run on S3 in async mode, killed by
+    SIGKILL while its step-4 checkpoint is uploaded (not yet marked), then resumed."""
+    root = tmp_path_factory.mktemp("s3runs")
+    reference = root / "reference"
+    make_trainer(reference, *CHECKPOINTS, steps=STEPS).run()
+    url, local = s3_server.url("resumed"), root / "resumed"
+    args = tiny_args(url, *s3_args(s3_server, "resumed", local, "--checkpoint.async_mode",
+                                   "async"), steps=STEPS)  # fmt: skip
+    killed = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, FAULT_ENV: "before_commit:4:0", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    fs = s3_server.filesystem()
+    after_kill = sorted(p.split("/checkpoints/")[1] for p in fs.find(f"{s3_server.bucket}/resumed"))
+    make_trainer(url, *s3_args(s3_server, "resumed", local), steps=STEPS).run()
+    return {
+        "reference": reference, "url": url, "local": local, "killed": killed,
+        "after_kill": after_kill, "root": root,
+    }  # fmt: skip
+
+
+def test_a_kill_mid_upload_leaves_an_unmarked_checkpoint_that_resume_ignores(runs):
+    assert runs["killed"].returncode == -9
+    steps = {p.split("/")[0] for p in runs["after_kill"]}
+    assert steps == {"step-2", "step-4"}
+    assert f"step-2/{MARKER}" in runs["after_kill"] and f"step-4/{MARKER}" not in runs["after_kill"]
+
+
+def test_the_resumed_run_ends_bit_for_bit_as_the_uninterrupted_one(runs, s3_server):
+    storage = open_storage(runs["url"], s3_server.endpoint)
+    assert storage.steps() == [4, 6]  # keep_latest_k 2; the killed step-4 was cleaned, redone
+    ours = read_checkpoint(storage.where(6), reader=storage.reader(6))
+    reference = complete_checkpoints(checkpoint_folder(runs["reference"]))[STEPS]
+    theirs = read_checkpoint(reference)
+    assert ours.keys() == theirs.keys()
+    # Same dtypes and values (no NaN in this run, so equal values are equal bits).
+    differing = [k for k, t in ours.items() if t.dtype != theirs[k].dtype or not t.equal(theirs[k])]
+    assert differing == []
+    losses = [(r["step"], r["loss"]) for r in read_metrics(runs["local"]) if "loss" in r]
+    expected = [(r["step"], r["loss"]) for r in read_metrics(runs["reference"]) if "loss" in r]
+    assert losses == expected
+
+
+def test_the_run_records_say_where_the_checkpoints_went(runs):
+    import json
+
+    run = json.loads((runs["local"] / "run.json").read_text())
+    assert run["checkpoints"] == f"{runs['url']}/checkpoints"
+    assert run["resumed_from"] == {"path": f"{runs['url']}/checkpoints/step-2", "step": 2}
+    saved = "checkpoint step-2 saved in "
+    assert saved in runs["killed"].stderr
+    assert f"MiB: {runs['url']}/checkpoints/step-2\n" in runs["killed"].stderr
+
+
+def test_no_credential_is_written_anywhere(runs, s3_server):
+    texts = [runs["killed"].stdout, runs["killed"].stderr]
+    texts += [p.read_bytes().decode("latin-1") for p in runs["root"].rglob("*") if p.is_file()]
+    fs = s3_server.filesystem()
+    texts += [fs.cat_file(p).decode("latin-1") for p in fs.find(s3_server.bucket)]
+    for value in (s3_server.secret, s3_server.key_id):
+        assert [t[:80] for t in texts if value in t] == []
+
+
+class StopStoreAfter:
+    """Stops the S3 server once the checkpoint of ``step`` is saved: the next save finds the
+    store gone."""
+
+    def __init__(self, server, step: int) -> None:
+        self.server, self.step = server, step
+
+    @hookimpl
+    def checkpoint_saved(self, step: int) -> None:
+        if step == self.step:
+            self.server.stop()
+
+
+def test_a_store_failing_mid_save_stops_the_run_in_one_line_and_keeps_the_last(s3_server, tmp_path):
+    url = s3_server.url("failing")
+    trainer = make_trainer(
+        url, *s3_args(s3_server, "failing", tmp_path, "--checkpoint.store_retries", "1"),
+        steps=STEPS, plugins=[("stop_store", StopStoreAfter(s3_server, 2))],
+    )  # fmt: skip
+    try:
+        with pytest.raises(CheckpointError) as e:
+            trainer.run()
+    finally:
+        s3_server.start()
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot save checkpoint {url}/checkpoints/step-4: ")
+    assert "failed 2 times" in message and "previous checkpoints are intact" in message
+    storage = open_storage(url, s3_server.endpoint)
+    assert storage.steps() == [2]
+    storage.clean()  # what the failed save could not remove with the store away
+    assert {p.split("/")[-2] for p in s3_server.filesystem().find(storage.root)} == {"step-2"}
+
+
+def test_an_unreachable_store_is_refused_before_step_1(s3_server, tmp_path, capsys):
+    url = s3_server.url("unreachable")
+    dead = f"http://127.0.0.1:{free_port()}"
+    args = tiny_args(url, *CHECKPOINTS, "--job.local_folder", str(tmp_path),
+                     "--checkpoint.endpoint_url", dead)  # fmt: skip
+    assert train(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"plugtrain: error: cannot reach the checkpoint store {url}/")
+    assert dead in err[-1] and s3_server.secret not in err[-1]
+    assert not (tmp_path / "metrics.jsonl").exists()
