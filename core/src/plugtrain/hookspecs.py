@@ -341,7 +341,8 @@ def load_state_dict(state_dict: dict[str, Any]) -> None:
 def checkpoint_saved(folder: Path, step: int) -> None:
     """Fires once per checkpoint, on every rank, once checkpoint ``folder`` of ``step`` is complete.
 
-    The folder (``<dump_folder>/checkpoints/step-<N>``) is committed and visible to every rank
+    The folder (``<dump_folder>/checkpoints/step-<N>``; a ``str`` URL when ``job.dump_folder``
+    is one, beside which nothing can be written) is committed and visible to every rank
     when this fires: a plugin may read it or write beside its files (an export), with
     collectives, since every rank calls it at the same point. With ``checkpoint.async_mode
     async`` the write finishes in the background and the hook fires when the trainer next waits

@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from plugtrain.plugin import (
+    ConfigError,
     SetupContext,
     StepContext,
     ValidationContext,
@@ -160,6 +161,12 @@ class Ema:
         self.name = ctx.name_of(self)
         self.config = ctx.plugin_config(self)
         self.rank = ctx.rank
+        if self.config.export and "://" in ctx.config.job.dump_folder:
+            # Its export writes a folder beside the checkpoint's files, which a URL has not.
+            raise ConfigError(
+                f"config key '{self.name}.export' is true, but job.dump_folder "
+                f"{ctx.config.job.dump_folder} is a URL: set {self.name}.export false"
+            )
         idle = self.config.idle_warning(ctx.config.training.steps)
         if idle and ctx.rank == 0:
             logger.warning("%s: %s", self.name, idle)

@@ -171,7 +171,7 @@ class SpikeGuard:
             # The ranks that train on different data: the world without tensor parallelism.
             self._world_size = self._group.size()
         if ctx.rank == 0:
-            self.log_path = Path(ctx.config.job.dump_folder) / EVENT_LOG
+            self.log_path = Path(ctx.config.job.records_folder) / EVENT_LOG
             # A step is tested once the steps before it filled the warmup.
             warmup, steps = max(cfg.warmup_steps, 2), ctx.config.training.steps
             if warmup >= steps:
