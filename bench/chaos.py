@@ -22,10 +22,17 @@ be 15-20x slower on these CPUs, and the scaler's resume is tested on its own.
     python bench/chaos.py                       # 20 kills in each checkpoint mode, minutes
     python bench/chaos.py --quick               # 3 kills and a preemption, async mode only
     python bench/chaos.py --seed 7 --modes async   # replay one schedule
+    python bench/chaos.py --store s3 --kills 5 --modes async   # checkpoints on S3
+
+With ``--store s3`` the checkpoints go to a real S3 server on 127.0.0.1 (moto's, started here:
+``plugtrain.testing.S3Server``), the metrics and records stay in the local folder; a "save"
+kill aims at a checkpoint prefix without its marker, and the verdict asks that no unmarked
+prefix be left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -92,8 +99,9 @@ class KillDuringRewind:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def worker(dump_folder: str, mode: str, steps: int, interval: int) -> None:
-    """One torchrun worker: the soak's run, resumed from its dump folder if it has one."""
+def worker(dump_folder: str, mode: str, steps: int, interval: int, store: str) -> None:
+    """One torchrun worker: the soak's run, resumed from its dump folder if it has one; with
+    ``store`` a URL, its checkpoints there and the rest in ``dump_folder``."""
     from plugtrain.testing import PoisonBatches, make_trainer
 
     folder = Path(dump_folder)
@@ -101,7 +109,69 @@ def worker(dump_folder: str, mode: str, steps: int, interval: int) -> None:
         ("poison", PoisonBatches(set().union(*POISONED))),
         ("chaos", KillDuringRewind(folder, int(os.environ["RANK"]))),
     ]
-    make_trainer(folder, *run_args(mode, interval), steps=steps, plugins=plugins).run()
+    where: list[str | Path] = [folder]
+    if store != "local":  # ema's export writes beside local checkpoints only
+        where = [store, "--job.local_folder", str(folder), "--ema.export", "false"]
+    make_trainer(
+        where[0], *where[1:], *run_args(mode, interval), steps=steps, plugins=plugins
+    ).run()
+
+
+class Checkpoints:
+    """A soak's checkpoints as the killer and the verdict see them: in the local folder, or at
+    an S3 prefix (``store``: ``local`` or the URL)."""
+
+    def __init__(self, folder: Path, store: str) -> None:
+        from plugtrain.checkpoint.object_store import open_storage
+
+        self.store = store
+        self.storage = open_storage(folder if store == "local" else store)
+
+    def being_written(self, since: float) -> list[str]:
+        """The checkpoints being written by the workers started at ``since``: ``.partial``
+        folders, or prefixes without a marker, changed since; older ones are a killed save's,
+        removed later."""
+        from plugtrain.checkpoint.object_store import MARKER
+
+        if self.store == "local":
+            try:
+                return [
+                    p.name
+                    for p in self.storage.location.iterdir()
+                    if p.name.endswith(".partial") and p.stat().st_mtime > since
+                ]
+            except FileNotFoundError:
+                return []
+        fs, root = self.storage.fs, self.storage.root
+        fs.invalidate_cache(root)
+        try:
+            found = fs.find(root, detail=True)
+        except FileNotFoundError:
+            return []
+        marked, changed = set(), set()
+        for name, info in found.items():
+            step_dir, _, leaf = name[len(root) + 1 :].partition("/")
+            marked.update([step_dir] if leaf == MARKER else [])
+            if info["LastModified"].timestamp() > since:
+                changed.add(step_dir)
+        return sorted(changed - marked)
+
+    def leftovers(self) -> list[str]:
+        """What crashes left that no clean-up removed: ``.partial``, ``.deleting`` folders or
+        unmarked prefixes."""
+        if self.store == "local":
+            return [
+                p.name
+                for p in self.storage.location.iterdir()
+                if p.name.endswith((".partial", ".deleting"))
+            ]
+        return self.being_written(0.0)
+
+    def read_final(self) -> dict[str, Any]:
+        from plugtrain.checkpoint import read_checkpoint
+
+        step = self.storage.steps()[-1]
+        return read_checkpoint(self.storage.where(step), reader=self.storage.reader(step))
 
 
 # --------------------------------------------------------------------------- the killer
@@ -129,6 +199,8 @@ class Soak:
     interval: int
     port: int
     restarts: int
+    store: str = "local"
+    """``local``, or the S3 URL of the checkpoints."""
     launches: int = 0
     log: list[str] = field(default_factory=list)
 
@@ -139,7 +211,7 @@ class Soak:
             f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id=chaos-{self.port}",
             "--monitor-interval=0.05",
             str(Path(__file__).resolve()), "worker", str(self.folder), self.mode,
-            str(self.steps), str(self.interval),
+            str(self.steps), str(self.interval), self.store,
         ]  # fmt: skip
 
     def launch(self) -> subprocess.Popen:
@@ -201,18 +273,12 @@ def workers(torchrun: int) -> dict[int, int]:
     return found
 
 
-def partial_folders(folder: Path) -> list[str]:
-    """The checkpoints being written by the workers running now: ``.partial`` folders changed
-    since they started (``run.json``); older ones are a killed save's, removed later."""
+def started_at(folder: Path) -> float:
+    """When the workers running now started (``run.json``); infinity before they write it."""
     try:
-        started = (folder / "run.json").stat().st_mtime
-        return [
-            p.name
-            for p in (folder / "checkpoints").iterdir()
-            if p.name.endswith(".partial") and p.stat().st_mtime > started
-        ]
+        return (folder / "run.json").stat().st_mtime
     except FileNotFoundError:
-        return []
+        return float("inf")
 
 
 def schedule(rng: random.Random, kills: int, steps: int) -> tuple[list[Kill], dict[str, int]]:
@@ -237,6 +303,7 @@ def schedule(rng: random.Random, kills: int, steps: int) -> tuple[list[Kill], di
 def soak(soak: Soak, plan: list[Kill], rewind_arms: dict[str, int], rng: random.Random) -> dict:
     """Run ``soak`` to its end under the killer; return what happened."""
     soak.folder.mkdir(parents=True)
+    checkpoints = Checkpoints(soak.folder, soak.store)
     (soak.folder / REWIND_ARMS).write_text(json.dumps(rewind_arms))
     start = time.perf_counter()
     proc = soak.launch()
@@ -278,12 +345,15 @@ def soak(soak: Soak, plan: list[Kill], rewind_arms: dict[str, int], rng: random.
             kill = pending[0]
             if kill.kind == "preempt":
                 proc.send_signal(signal.SIGTERM)
-            elif kill.kind == "save" and not partial_folders(soak.folder):
+            elif kill.kind == "save" and not checkpoints.being_written(started_at(soak.folder)):
                 time.sleep(AIM_S)
                 continue
             elif kill.kind == "between":
                 time.sleep(rng.uniform(0, 0.2))
-                if partial_folders(soak.folder) or last_step(soak.folder) < kill.target_step:
+                if (
+                    checkpoints.being_written(started_at(soak.folder))
+                    or last_step(soak.folder) < kill.target_step
+                ):
                     continue
             if kill.kind != "preempt":
                 pid = workers(proc.pid).get(kill.rank)
@@ -307,27 +377,17 @@ def soak(soak: Soak, plan: list[Kill], rewind_arms: dict[str, int], rng: random.
 # --------------------------------------------------------------------------- the verdict
 
 
-def final_checkpoint(folder: Path) -> Path:
-    from plugtrain.checkpoint import checkpoint_folder, complete_checkpoints
-
-    found = complete_checkpoints(checkpoint_folder(folder))
-    return found[max(found)]
-
-
 def training_records(folder: Path) -> list[tuple[int, float]]:
     from plugtrain.testing import read_metrics
 
     return [(r["step"], r["loss"]) for r in read_metrics(folder) if "loss" in r]
 
 
-def verdict(run: Path, reference: Path, steps: int) -> dict[str, Any]:
-    """Each check of the soaked run against the uninterrupted one: True, or what differs."""
-    from plugtrain.checkpoint import checkpoint_folder, complete_checkpoints, read_checkpoint
-
-    ours, theirs = (
-        read_checkpoint(final_checkpoint(run)),
-        read_checkpoint(final_checkpoint(reference)),
-    )
+def verdict(run: Path, reference: Path, steps: int, store: str = "local") -> dict[str, Any]:
+    """Each check of the soaked run (its checkpoints in ``store``) against the uninterrupted
+    one (on the local disk): True, or what differs."""
+    checkpoints = Checkpoints(run, store)
+    ours, theirs = checkpoints.read_final(), Checkpoints(reference, "local").read_final()
     differing = sorted(
         k for k in ours.keys() | theirs.keys()
         if k not in ours or k not in theirs or not (
@@ -342,12 +402,8 @@ def verdict(run: Path, reference: Path, steps: int) -> dict[str, Any]:
 
     records, expected = training_records(run), training_records(reference)
     steps_seen = [s for s, _ in records]
-    leftovers = [
-        p.name
-        for p in checkpoint_folder(run).iterdir()
-        if p.name.endswith((".partial", ".deleting"))
-    ]
-    kept = len(complete_checkpoints(checkpoint_folder(run)))
+    leftovers = checkpoints.leftovers()
+    kept = len(checkpoints.storage.steps())
     skips = [json.loads((f / "data_skips.json").read_text()) for f in (run, reference)]
     checks: dict[str, Any] = {
         "parameters_bitwise_equal": equal("model."),
@@ -395,19 +451,23 @@ def figures(kills: list[dict]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- main
 
 
-def run_mode(args: Any, mode: str, root: Path) -> dict[str, Any]:
+def run_mode(args: Any, mode: str, root: Path, server: Any = None) -> dict[str, Any]:
+    """The soak of one ``checkpoint.async_mode``; with ``server`` (an ``S3Server``), its
+    checkpoints on S3 (the reference's stay on the local disk)."""
     rng = random.Random(f"{args.seed}-{mode}")
     plan, arms = schedule(rng, args.kills, args.steps)
     from plugtrain.testing import free_port
 
     reference = Soak(root / f"{mode}-reference", mode, args.steps, args.interval, free_port(), 0)
     soak(reference, [], {}, rng)
+    store = "local" if server is None else server.url(f"chaos-{root.name}/{mode}-soaked")
     soaked = Soak(root / f"{mode}-soaked", mode, args.steps, args.interval, free_port(),
-                  args.kills + 2)  # fmt: skip
+                  args.kills + 2, store)  # fmt: skip
     happened = soak(soaked, plan, arms, rng)
-    checks = verdict(soaked.folder, reference.folder, args.steps)
+    checks = verdict(soaked.folder, reference.folder, args.steps, store)
     return {
         "mode": mode,
+        "store": args.store,
         "passed": all(v is True for v in checks.values()),
         "checks": checks,
         "figures": figures(happened["kills"]),
@@ -424,12 +484,17 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--interval", type=int, default=4, help="checkpoint interval")
     parser.add_argument("--modes", default="disabled,async", help="checkpoint.async_mode values")
     parser.add_argument("--folder", type=Path, default=None, help="default: a temp folder")
+    parser.add_argument(
+        "--store", choices=("local", "s3"), default="local",
+        help="where the soaked run's checkpoints go: the local disk, or an S3 server on "
+        "127.0.0.1 started here (default: %(default)s)",
+    )  # fmt: skip
 
 
 def main() -> None:
     if sys.argv[1:2] == ["worker"]:
-        folder, mode, steps, interval = sys.argv[2:6]
-        worker(folder, mode, int(steps), int(interval))
+        folder, mode, steps, interval, store = sys.argv[2:7]
+        worker(folder, mode, int(steps), int(interval), store)
         return
     args = benchlib.parse_args("chaos", __doc__.splitlines()[0], add_arguments)
     if args.quick:
@@ -439,7 +504,14 @@ def main() -> None:
     import tempfile
 
     root = args.folder or Path(tempfile.mkdtemp(prefix="plugtrain-chaos-"))
-    results = [run_mode(args, mode, root) for mode in args.modes.split(",")]
+    with contextlib.ExitStack() as stack:
+        server = None
+        if args.store == "s3":
+            from plugtrain.testing import S3Server
+
+            server = stack.enter_context(S3Server())
+            stack.enter_context(server.environ())  # the workers inherit it
+        results = [run_mode(args, mode, root, server) for mode in args.modes.split(",")]
     rows = []
     for r in results:
         f = r["figures"]

@@ -172,6 +172,8 @@ class FsspecStorage(CheckpointStorage):
         if urlsplit(self.url).scheme in ("s3", "s3a"):
             # botocore retries nothing itself: the attempts here are all there are.
             options["config_kwargs"] = {"retries": {"max_attempts": 1}, "connect_timeout": 10}
+            # Another rank writes and deletes here: a cached listing would hide its objects.
+            options["use_listings_cache"] = False
             if endpoint_url:
                 options["endpoint_url"] = endpoint_url
         self.fs, root = fsspec.url_to_fs(self.url, **options)
