@@ -50,7 +50,12 @@ class OptimizerConfig:
     eps: float = 1e-8
     """AdamW epsilon."""
     weight_decay: float = 0.1
-    """Decoupled weight decay, applied to every parameter."""
+    """Decoupled weight decay, applied to every parameter but those ``no_decay`` names."""
+    no_decay: list[str] = field(default_factory=list)
+    """Parameters trained without weight decay: those whose name (``layers.0.ffn_norm.weight``)
+    contains one of these strings, e.g. ``["norm", "embeddings", "output"]``. They form a
+    second param group with ``weight_decay = 0``; empty (the default): one group, every
+    parameter decayed. Each string must match a parameter (checked at start-up)."""
 
     def __post_init__(self) -> None:
         check_field(0 < self.lr < math.inf, "lr", f"must be finite and > 0, got {self.lr}")
@@ -64,6 +69,11 @@ class OptimizerConfig:
             self.weight_decay >= 0,
             "weight_decay",
             f"must be >= 0, got {self.weight_decay}",
+        )
+        check_field(
+            all(self.no_decay) and len(set(self.no_decay)) == len(self.no_decay),
+            "no_decay",
+            f"must be distinct non-empty name parts, got {self.no_decay}",
         )
 
 

@@ -1,5 +1,9 @@
 """The optimizer and its schedule: fused AdamW, warmup then decay (or WSD), all on the device.
 
+The core's fused AdamW is the default; a plugin may build another from the model's named
+parameters (the ``build_optimizer`` hook), which the schedule drives the same way: every param
+group's ``lr`` is a tensor the schedule scales in place.
+
 The schedule never reads the device: the learning rate is a tensor in the optimizer's param
 group, and it is computed on the device from the number of optimizer steps actually applied,
 itself counted on the device (a vetoed step adds 0). So a step whose veto is known only on the
@@ -17,6 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from plugtrain.config import LRSchedulerConfig, OptimizerConfig
+from plugtrain.errors import ConfigError
 
 
 def build_optimizer(
@@ -26,16 +31,52 @@ def build_optimizer(
 
     Fused, because its kernel takes the step's skip flag (``found_inf``) on the device, and it
     is the fastest AdamW on CPU too. The learning rate is a float32 tensor on ``device``, which
-    :class:`LRSchedule` updates in place.
+    :class:`LRSchedule` updates in place. With ``cfg.no_decay`` the parameters it names form a
+    second group, without weight decay; a name part that matches no parameter is a
+    :class:`ConfigError`.
     """
+    params: list[Any] = list(model.parameters())
+    if cfg.no_decay:
+        named = list(model.named_parameters())
+        for part in cfg.no_decay:
+            if not any(part in name for name, _ in named):
+                raise ConfigError(
+                    f"config key 'optimizer.no_decay' names '{part}', which is in no "
+                    f"parameter's name (they look like '{named[-1][0]}'): fix or remove it"
+                )
+        exempt = [any(part in name for part in cfg.no_decay) for name, _ in named]
+        params = [
+            {"params": [p for (_, p), e in zip(named, exempt, strict=True) if not e]},
+            {
+                "params": [p for (_, p), e in zip(named, exempt, strict=True) if e],
+                "weight_decay": 0.0,
+                "lr": torch.tensor(cfg.lr, dtype=torch.float32, device=device),
+            },
+        ]
     return torch.optim.AdamW(
-        model.parameters(),
+        params,
         lr=torch.tensor(cfg.lr, dtype=torch.float32, device=device),
         betas=tuple(cfg.betas),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
         fused=True,
     )
+
+
+def describe_param_groups(optimizer: Optimizer) -> str:
+    """One line on ``optimizer``'s param groups: each group's tensors and elements, and the
+    settings in which the groups differ (``weight_decay 0``), for the start-up log."""
+    groups = optimizer.param_groups
+    keys = [k for k in dict.fromkeys(k for g in groups for k in g) if k not in ("params", "lr")]
+    # A setting is shown where the groups that have it differ in it (a plugin's optimizer
+    # may give its groups different keys: Muon's and AdamW's).
+    shown = [k for k in keys if len({repr(g[k]) for g in groups if k in g}) > 1]
+    parts = []
+    for i, group in enumerate(groups):
+        numel = sum(p.numel() for p in group["params"])
+        settings = "".join(f", {k} {group[k]}" for k in shown if k in group)
+        parts.append(f"[{i}] {len(group['params'])} tensors, {numel:,} params{settings}")
+    return f"{type(optimizer).__name__}, {len(groups)} param group(s): " + "; ".join(parts)
 
 
 _SHAPES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

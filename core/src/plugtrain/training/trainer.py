@@ -82,7 +82,12 @@ from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.estimate import estimate_run
 from plugtrain.training.loss_mean import StepLoss, check_masked_loss_parallelism
 from plugtrain.training.loss_terms import LossTerms
-from plugtrain.training.optim import LRSchedule, build_optimizer, lr_factor
+from plugtrain.training.optim import (
+    LRSchedule,
+    build_optimizer,
+    describe_param_groups,
+    lr_factor,
+)
 from plugtrain.training.requests import RunRequests
 from plugtrain.training.stop import StopSignals
 from plugtrain.training.vetoes import Vetoes
@@ -473,6 +478,7 @@ class Trainer:
         )
         estimate = estimate_run(cfg, self.world.world_size, self.model_args.vocab_size)
         logger.info("memory estimate per process: %s", estimate.summary())
+        logger.info("optimizer: %s", describe_param_groups(self.optimizer))
         self.model.train()
         self.stop.install()
         while self.step < cfg.training.steps:
