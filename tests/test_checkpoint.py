@@ -483,8 +483,10 @@ def test_never_unpickles_an_object(tmp_path):
     assert "refusing to load 'posix.system'" in resume_error(tmp_path)
     # A checkpoint that stores a number as a pickled object, as plain DCP does.
     tensors = read_checkpoint(tmp_path / "checkpoints" / "step-2")
+    config = (step4 / "config.json").read_bytes()  # what the run saves beside the tensors
     shutil.rmtree(step4)
     dcp.save({**tensors, "train.step": 4}, checkpoint_id=step4, no_dist=True)
+    (step4 / "config.json").write_bytes(config)
     assert "stores 'train.step' as a pickled object, which plugtrain never loads" in (
         resume_error(tmp_path)
     )

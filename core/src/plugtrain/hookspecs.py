@@ -7,6 +7,7 @@ it with :data:`plugtrain.plugin.hookimpl`. Building the run fires, once, in this
     wrap_model               # model phase 1, wrap: activation checkpointing, per block or whole
     compile_model            # model phase 2, compile: torch.compile (at most one compiler)
     fully_shard (FSDP2), materialise, init_weights(seed)
+    build_optimizer          # at most one plugin builds the optimizer (else: fused AdamW)
     setup                    # the optimizer, schedule and dtypes exist
 
 A training step fires, in this order::
@@ -88,6 +89,7 @@ if TYPE_CHECKING:
         LossContext,
         Metrics,
         ModelContext,
+        OptimizerContext,
         SetupContext,
         StepContext,
         ValidationContext,
@@ -97,6 +99,7 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
 RESULT_HOOKS = (
     "config_section",
+    "build_optimizer",
     "loss_terms",
     "pre_step",
     "step_metrics",
@@ -147,6 +150,26 @@ def compile_model(ctx: ModelContext) -> None:
     since they do not commute. The loss path is reachable too: the final norm is ``ctx.norm``,
     and ``ctx.loss_fn``, the training loss from logits and targets, may be replaced by a
     compiled version of itself, which the trainer then calls at every microbatch.
+    """
+
+
+@hookspec
+def build_optimizer(ctx: OptimizerContext) -> torch.optim.Optimizer | None:
+    """Return the run's optimizer, built over ``ctx.named_parameters``, or None to leave it.
+
+    Fires once per run, after the model is sharded and materialised and before the LR schedule,
+    ``setup`` and any checkpoint load. At most one plugin may answer (two are refused, naming
+    both); when none does, the core builds fused AdamW from ``[optimizer]``. The optimizer must
+    hold every parameter exactly once, and each param group's ``lr`` must be a 0-d float
+    tensor on the device (``ctx.learning_rate(peak)``): the LR schedule (warmup, decay, WSD)
+    scales every group's peak in place, by the same factor; the run's logged ``lr`` is group
+    0's. To keep the step free of host syncs, set ``_step_supports_amp_scaling = True`` and
+    honour the attributes the trainer sets around a vetoed ``step()``, as fused AdamW does:
+    ``found_inf`` (a 0-d float tensor; nonzero: change no parameter and no state, decided on
+    the device) and ``grad_scale`` (None); any other optimizer costs a host read at every
+    step that a plugin's device flag may veto. Its ``state_dict`` is checkpointed through DCP
+    (tensors and numbers only; DTensor states reshard), and a checkpoint holding another
+    optimizer's state is refused on resume.
     """
 
 

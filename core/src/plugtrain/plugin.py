@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
     from torch.optim.lr_scheduler import LRScheduler
 
-    from plugtrain.config import JobConfig
+    from plugtrain.config import JobConfig, OptimizerConfig
 
 __all__ = [
     "API_VERSION",
@@ -40,6 +40,7 @@ __all__ = [
     "HfExporter",
     "LossContext",
     "ModelContext",
+    "OptimizerContext",
     "PluginError",
     "Rewind",
     "RunControl",
@@ -156,6 +157,42 @@ class HfExporter(Protocol):
         (default None: kept in the checkpoint's, float32), files above ``max_shard_size``
         bytes (default 5e9) are split. Reads one tensor at a time in this process, with no
         collective: call it on one rank. Bad input raises a one-line ``UserError``."""
+
+
+@dataclass(eq=False)
+class OptimizerContext:
+    """What ``build_optimizer`` receives: the sharded model's parameters, by name.
+
+    The model is sharded and materialised (its weights initialised or loaded); nothing has
+    stepped. The optimizer a plugin builds from these parameters is the run's only one.
+    """
+
+    config: JobConfig
+    """The whole validated config (core sections and every enabled plugin's section)."""
+    named_parameters: tuple[tuple[str, nn.Parameter], ...]
+    """Every parameter with its name (``layers.0.attention.wq.weight``), in
+    ``model.named_parameters()`` order: FSDP2 DTensors, each ``Shard(0)`` over the mesh's
+    ``dp_shard`` dimension (replicated over ``dp_replicate``); plain tensors in a float32 run
+    of one process. ``p.shape`` is the full (logical) shape either way."""
+    optimizer_config: OptimizerConfig
+    """The core's ``[optimizer]`` section (``lr``, ``betas``, ``eps``, ``weight_decay``,
+    ``no_decay``): settings a plugin may reuse for the parameters it trains with AdamW."""
+    mesh: DeviceMesh
+    """The data-parallel device mesh, as :attr:`SetupContext.mesh` describes it."""
+    device: torch.device
+    rank: int
+    world_size: int
+    name_of: Callable[[object], str] = field(repr=False)
+    """The name a registered plugin object runs under (see :attr:`SetupContext.name_of`)."""
+
+    def plugin_config(self, plugin: object) -> Any:
+        """Return ``plugin``'s validated config section (its config dataclass)."""
+        return self.config.plugin(self.name_of(plugin))
+
+    def learning_rate(self, value: float) -> torch.Tensor:
+        """A param group's ``lr`` as the LR schedule needs it: a 0-d float32 tensor on the
+        device holding the peak ``value``, which the schedule scales in place each step."""
+        return torch.tensor(value, dtype=torch.float32, device=self.device)
 
 
 @dataclass(eq=False)

@@ -21,6 +21,7 @@ from plugtrain.config import CheckpointConfig, fixed_on_resume
 from plugtrain.errors import CheckpointError, one_line
 
 __all__ = [
+    "check_optimizer",
     "check_settings",
     "check_state",
     "choose",
@@ -131,6 +132,8 @@ def check_state(
             )
     for key in wanted:
         if key not in saved:
+            if key.startswith("optimizer."):
+                continue  # another optimizer's state: check_optimizer says so, after the settings
             raise CheckpointError(
                 f"checkpoint {path} lacks '{key}': it was not written by this version of "
                 "plugtrain; pick another with --checkpoint.load_step"
@@ -140,6 +143,29 @@ def check_state(
                 f"checkpoint {path} stores '{key}' as a pickled object, which plugtrain never "
                 "loads: use a checkpoint written by plugtrain"
             )
+
+
+def check_optimizer(
+    path: Path | str,
+    saved: Mapping[str, Any],
+    wanted: Mapping[str, torch.Tensor],
+    saved_config: Mapping[str, Any],
+) -> None:
+    """Refuse checkpoint ``path`` if its optimizer state (``saved``, DCP metadata) is not the
+    one this run's optimizer has (``wanted``): it was built by another optimizer (a plugin's,
+    through ``build_optimizer``) or with other param groups. ``saved_config`` is its run's."""
+    there = {k for k in saved if k.startswith("optimizer.")}
+    here = {k for k in wanted if k.startswith("optimizer.")}
+    if there == here:
+        return
+    key = min(here - there) if here - there else min(there - here)
+    enabled = saved_config.get("plugins", {}).get("enabled", [])
+    raise CheckpointError(
+        f"checkpoint {path} holds the state of another optimizer than this run's ('{key}' is "
+        f"in {'this run only' if key in here else 'the checkpoint only'}): resume with the "
+        f"plugins and [optimizer] it was saved with (plugins.enabled = {enabled}), or train "
+        "in another job.dump_folder"
+    )
 
 
 def check_settings(

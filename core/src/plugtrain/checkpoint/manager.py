@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
 from plugtrain.checkpoint.checks import (
+    check_optimizer,
     check_settings,
     check_state,
     choose,
@@ -416,12 +417,14 @@ class CheckpointManager:
             optimizer_state=any(key.startswith("optimizer.state.") for key in saved),
         )
         storable = self._storable(template)
-        check_state(path, saved, flat_keys(storable), template["plugins"])
         try:
             saved_config = self.storage.read_config(step)
         except (OSError, ValueError) as e:
             raise damaged(path, f"cannot read its {CONFIG} ({one_line(e)})") from e
+        wanted = flat_keys(storable)
+        check_state(path, saved, wanted, template["plugins"])
         check_settings(path, saved_config, self.run_config)
+        check_optimizer(path, saved, wanted, saved_config)
         try:
             dcp.load(
                 storable, storage_reader=self.storage.reader(step), planner=TensorOnlyLoadPlanner()

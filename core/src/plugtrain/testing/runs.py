@@ -23,6 +23,7 @@ from plugtrain import sample
 from plugtrain.plugin import (
     LossContext,
     ModelContext,
+    OptimizerContext,
     SetupContext,
     StepContext,
     ValidationContext,
@@ -184,6 +185,10 @@ class HookLog:
     def compile_model(self, ctx: ModelContext) -> Iterator[None]:
         self._log("compile_model")
         return (yield)
+
+    @hookimpl
+    def build_optimizer(self, ctx: OptimizerContext) -> None:
+        self._log("build_optimizer")
 
     @hookimpl(wrapper=True)
     def setup(self, ctx: SetupContext) -> Iterator[None]:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from plugtrain.config import LRSchedulerConfig, OptimizerConfig
-from plugtrain.errors import ConfigError
+from plugtrain.errors import ConfigError, PluginError
 
 
 def build_optimizer(
@@ -61,6 +61,45 @@ def build_optimizer(
         weight_decay=cfg.weight_decay,
         fused=True,
     )
+
+
+def plugin_optimizer(
+    answers: dict[str, Any], params: tuple[nn.Parameter, ...], device: torch.device
+) -> tuple[str, Optimizer] | None:
+    """The plugin and optimizer of ``build_optimizer``'s ``answers`` (by plugin name), checked
+    against the hook's contract; None if no plugin answered. Two answers, an optimizer that
+    does not hold each of ``params`` once, or a group whose ``lr`` is not a 0-d float tensor on
+    ``device`` are each a :class:`PluginError`."""
+    if len(answers) > 1:
+        names = " and ".join(f"'{name}'" for name in answers)
+        raise PluginError(f"plugins {names} both build the optimizer: enable only one of them")
+    if not answers:
+        return None
+    ((name, optimizer),) = answers.items()
+    if not isinstance(optimizer, Optimizer):
+        raise PluginError(
+            f"plugin '{name}': build_optimizer returned a {type(optimizer).__name__}, not a "
+            "torch.optim.Optimizer"
+        )
+    held = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    if sorted(held) != sorted(id(p) for p in params):
+        raise PluginError(
+            f"plugin '{name}': its optimizer holds {len(held)} parameter tensors where the model "
+            f"has {len(params)}: it must hold each of ctx.named_parameters exactly once"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if not (
+            isinstance(lr, torch.Tensor)
+            and lr.ndim == 0
+            and lr.is_floating_point()
+            and lr.device == device
+        ):
+            raise PluginError(
+                f"plugin '{name}': its optimizer's param group {i} has lr {lr!r:.60}; give "
+                "every group ctx.learning_rate(peak), which the LR schedule scales in place"
+            )
+    return name, optimizer
 
 
 def describe_param_groups(optimizer: Optimizer) -> str:

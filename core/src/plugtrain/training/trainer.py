@@ -73,6 +73,7 @@ from plugtrain.observability import (
 )
 from plugtrain.plugin import (
     ModelContext,
+    OptimizerContext,
     RunControl,
     SetupContext,
     StepContext,
@@ -87,6 +88,7 @@ from plugtrain.training.optim import (
     build_optimizer,
     describe_param_groups,
     lr_factor,
+    plugin_optimizer,
 )
 from plugtrain.training.requests import RunRequests
 from plugtrain.training.stop import StopSignals
@@ -189,7 +191,8 @@ class Trainer:
         """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
         self.sync_replicas = replica_sync(self.model, self.world.mesh)
         """HSDP: whether the next backward all-reduces the gradients across replicas."""
-        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        self.optimizer, self.optimizer_builder = self._build_optimizer()
+        """The optimizer, and who built it: ``core`` or the plugin that answered."""
         if self.initial_load is not None:
             self.initial_load.check(self.model, self.model_args, config.model.tokenizer_path)
             self.initial_load.load(self.model, self.optimizer, self.model_args)
@@ -357,6 +360,31 @@ class Trainer:
             ctx.loss_fn, masked=self.train_data.loss_mask, world_size=self.world.world_size
         )
 
+    def _build_optimizer(self) -> tuple[torch.optim.Optimizer, str]:
+        """The optimizer one plugin builds (``build_optimizer``), else the core's fused AdamW,
+        and who built it (the plugin's name, or ``core``)."""
+        ctx = OptimizerContext(
+            config=self.config,
+            named_parameters=tuple(self.model.named_parameters()),
+            optimizer_config=self.config.optimizer,
+            mesh=self.world.mesh,
+            device=self.device,
+            rank=self.world.rank,
+            world_size=self.world.world_size,
+            name_of=self.host.name_of,
+        )
+        built = plugin_optimizer(
+            self.host.results("build_optimizer", ctx=ctx), self.params, self.device
+        )
+        if built is None:
+            builder, optimizer = (
+                "core",
+                build_optimizer(self.model, self.config.optimizer, self.device),
+            )
+        else:
+            builder, optimizer = built
+        return optimizer, builder
+
     def _setup_plugins(self) -> None:
         ctx = SetupContext(
             config=self.config,
@@ -478,7 +506,9 @@ class Trainer:
         )
         estimate = estimate_run(cfg, self.world.world_size, self.model_args.vocab_size)
         logger.info("memory estimate per process: %s", estimate.summary())
-        logger.info("optimizer: %s", describe_param_groups(self.optimizer))
+        logger.info(
+            "optimizer (%s): %s", self.optimizer_builder, describe_param_groups(self.optimizer)
+        )
         self.model.train()
         self.stop.install()
         while self.step < cfg.training.steps:
