@@ -162,7 +162,7 @@ def run_in_order(tmp_path, order: tuple[str, ...], probe: NormReader, *args: str
     return trainer
 
 
-TIMINGS = ("time_", "tokens_", "tflops", "memory_")
+TIMINGS = ("time_", "tokens_", "tflops", "mfu_", "memory_")
 
 
 def numbers(records: list[dict]) -> list[dict]:

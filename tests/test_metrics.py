@@ -17,6 +17,7 @@ import torch
 
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import ConfigError
+from plugtrain.model import Gemm
 from plugtrain.model.transformer import FLAVORS
 from plugtrain.observability import logs, timing
 from plugtrain.observability.metrics import (
@@ -25,7 +26,7 @@ from plugtrain.observability.metrics import (
     format_line,
     use_color,
 )
-from plugtrain.observability.timing import StepTimer, peak_tflops, throughput
+from plugtrain.observability.timing import StepTimer, matmul_seconds, peak_tflops, throughput
 from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
@@ -35,7 +36,7 @@ VALIDATION = SAMPLE / "validation.jsonl"
 PHASE_KEYS = ["time_data_s", "time_fwd_bwd_s", "time_hooks_s", "time_optimizer_s"]
 STEP_KEYS = {
     "step", "loss", "lr", "tokens_per_sec", "tokens_per_sec_per_rank", "tflops",
-    "time_step_s", *PHASE_KEYS, "memory_gib", "skipped_steps",
+    "mfu_matmul_pct", "time_step_s", *PHASE_KEYS, "memory_gib", "skipped_steps",
 }  # fmt: skip
 TOKENS_PER_STEP = 4 * 32  # tiny_args: batch 4 x 32 tokens
 TOKENIZER = SAMPLE / "tokenizer.json"
@@ -80,6 +81,10 @@ def test_step_records_hold_the_documented_fields_with_sane_values(recorded):
         assert r["tokens_per_sec"] == pytest.approx(TOKENS_PER_STEP / r["time_step_s"])
         assert r["tokens_per_sec_per_rank"] == r["tokens_per_sec"] > 0  # one rank
         assert r["tflops"] == pytest.approx(r["tokens_per_sec"] * flops_per_token / 1e12)
+        # One matmul limit, timed at start-up, against each window's step time.
+        limit_s = r["mfu_matmul_pct"] * r["time_step_s"] / 100
+        assert limit_s == pytest.approx(steps[0]["mfu_matmul_pct"] * steps[0]["time_step_s"] / 100)
+        assert limit_s > 0
         assert 0.05 < r["memory_gib"] < 64
         vetoed = int(r["step"] >= 3)
         assert r["skipped_steps"] == r["hook_recorder/vetoed_steps"] == vetoed
@@ -94,10 +99,10 @@ def test_step_records_hold_the_documented_fields_with_sane_values(recorded):
     assert validation[-1]["validation_loss"] < validation[0]["validation_loss"]
 
 
-def test_plugin_metrics_absent_without_the_plugin(tmp_path):
-    train(tmp_path, steps=2)
+def test_plugin_metrics_and_the_matmul_limit_absent_when_off(tmp_path):
+    train(tmp_path, "--metrics.matmul_limit", "false", steps=2)
     for record in read_metrics(tmp_path):
-        assert set(record) == STEP_KEYS
+        assert set(record) == STEP_KEYS - {"mfu_matmul_pct"}
 
 
 def test_resolved_config_and_plugin_versions_written_at_start(recorded):
@@ -217,6 +222,25 @@ def test_throughput_tflops_and_mfu():
     assert out["tflops"] == pytest.approx(1024 * 6e6 / 1e12)
     assert out["mfu_pct"] == pytest.approx(100 * out["tflops"] / 989.5)
     assert "mfu_pct" not in throughput(4096, 0.5, 8, 6_000_000, peak=None)
+    # The matmul limit: the step's GEMMs alone take 0.4 s of its 0.5.
+    limited = throughput(4096, 0.5, 8, 6_000_000, peak=None, matmul_step_seconds=0.4)
+    assert limited["mfu_matmul_pct"] == pytest.approx(80.0)
+    assert "mfu_matmul_pct" not in out
+
+
+def test_matmul_limit_times_each_shape_once_and_draws_no_random_numbers(monkeypatch):
+    shapes = []
+    real_mm = torch.mm
+    monkeypatch.setattr(
+        torch, "mm", lambda a, b: shapes.append((a.shape, b.shape)) or real_mm(a, b)
+    )
+    gemms = [Gemm("a", 8, 4, 2, count=3), Gemm("b", 8, 4, 2), Gemm("c", 4, 8, 2)]
+    state = torch.get_rng_state()
+    seconds = matmul_seconds(gemms, torch.device("cpu"), torch.float32, repeats=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    # Two shapes, each called once untimed and twice timed; the first stands for 4 products.
+    assert shapes == [((8, 2), (2, 4))] * 3 + [((4, 2), (2, 8))] * 3
+    assert seconds > 0
 
 
 @pytest.mark.parametrize(
@@ -270,6 +294,10 @@ def test_console_line_format():
     assert format_line({**quiet, "skipped_steps": 0}, shown=SHOWN) == LINE.replace(
         "mfu 41.2%", "tflops 0.0213"
     ).replace(" | skipped 2 (grad_scaler 2)", "")
+    # On CPU, the fraction of the matmul limit instead.
+    assert format_line({**quiet, "mfu_matmul_pct": 80.04}, shown=SHOWN) == LINE.replace(
+        "mfu 41.2%", "mfu(mm) 80.0%"
+    )
     validation = {"step": 50, "validation_loss": 4.75, "validation_bpb": 2.01}
     validation |= {"ema/validation_loss": 4.8, "ema/validation_bpb": 2.03}
     assert format_line(validation, shown={"ema/validation_loss": False}) == (

@@ -288,6 +288,13 @@ def test_flops_per_token_matches_counted_matmul_flops() -> None:
     assert norm_params == (2 * TINY.n_layers + 1) * TINY.dim
     expected = (TINY.flops_per_token(seq) - 6 * norm_params) * batch * seq
     assert counter.get_total_flops() == expected
+    # The step's GEMMs, as the roofline times them: the projections' are torch's mm, the
+    # attention's its bmm (with the math backend).
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    gemms = TINY.gemms(batch, seq)
+    attention = sum(g.flops for g in gemms if g.name.startswith("attention."))
+    assert by_op == {"aten.mm": expected - attention, "aten.bmm": attention}
+    assert sum(g.flops for g in gemms) == expected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from plugtrain.model.args import FLAVORS as FLAVORS
+    from plugtrain.model.args import Gemm as Gemm
     from plugtrain.model.args import ModelArgs as ModelArgs
     from plugtrain.model.args import RopeScaling as RopeScaling
     from plugtrain.model.args import run_model_args as run_model_args

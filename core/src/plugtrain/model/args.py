@@ -1,4 +1,7 @@
-"""The Llama-style model's shapes: :class:`ModelArgs`, and the named sizes in ``FLAVORS``.
+"""The Llama-style model's shapes, the named sizes, and the matrix products of a step.
+
+:class:`ModelArgs` is a shape, ``FLAVORS`` the named ones, and :class:`Gemm` one of the matrix
+products a training step makes at a shape (``ModelArgs.gemms``).
 
 Apart from the model (``model.transformer``) and free of torch, so that the config, and with
 it ``--help``, needs no torch.
@@ -8,6 +11,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One matrix product of a training step: ``batch`` products of ``(m, k)`` by ``(k, n)``."""
+
+    name: str
+    """What it computes: ``<weight>.forward``, ``<weight>.input_grad``, ``<weight>.weight_grad``
+    for a projection, ``attention.<scores|values>.<pass>`` for the attention's products."""
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    count: int = 1
+    """How many times a step makes this product (once per layer for a block's)."""
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds times two, over every product this stands for."""
+        return 2 * self.count * self.batch * self.m * self.n * self.k
 
 
 @dataclass(frozen=True)
@@ -163,6 +186,44 @@ class ModelArgs:
         """
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * self.num_params(exclude_embedding=True) + attention
+
+    def gemms(self, rows: int, seq_len: int) -> list[Gemm]:
+        """The matrix products of one forward and backward of ``rows`` sequences of ``seq_len``.
+
+        Each projection ``y = x @ W.T`` makes three (forward, the input's gradient, the weight's),
+        the attention six per layer (scores ``Q @ K.T`` and values ``P @ V``, each forward and
+        two backward), with every query head attending to every position, as
+        :meth:`flops_per_token` counts. Their FLOPs add up to ``flops_per_token(seq_len) * rows *
+        seq_len`` less the ``6 * tokens`` per norm weight that the estimate also counts.
+        """
+        d, hd, tokens, layers = self.dim, self.head_dim, rows * seq_len, self.n_layers
+        projections = [
+            ("wq", d, self.n_heads * hd, layers),
+            ("wk", d, self.n_kv_heads * hd, layers),
+            ("wv", d, self.n_kv_heads * hd, layers),
+            ("wo", self.n_heads * hd, d, layers),
+            ("w1", d, self.ffn_hidden_dim, layers),
+            ("w3", d, self.ffn_hidden_dim, layers),
+            ("w2", self.ffn_hidden_dim, d, layers),
+            ("output", d, self.vocab_size, 1),
+        ]
+        out = []
+        for name, fan_in, fan_out, count in projections:
+            out += [
+                Gemm(f"{name}.forward", tokens, fan_out, fan_in, count=count),
+                Gemm(f"{name}.input_grad", tokens, fan_in, fan_out, count=count),
+                Gemm(f"{name}.weight_grad", fan_out, fan_in, tokens, count=count),
+            ]
+        heads = rows * self.n_heads
+        out += [
+            Gemm("attention.scores.forward", seq_len, seq_len, hd, heads, layers),
+            Gemm("attention.scores.query_grad", seq_len, hd, seq_len, heads, layers),
+            Gemm("attention.scores.key_grad", seq_len, hd, seq_len, heads, layers),
+            Gemm("attention.values.forward", seq_len, hd, seq_len, heads, layers),
+            Gemm("attention.values.probs_grad", seq_len, seq_len, hd, heads, layers),
+            Gemm("attention.values.value_grad", seq_len, hd, seq_len, heads, layers),
+        ]
+        return out
 
 
 _LLAMA3_VOCAB = 128256

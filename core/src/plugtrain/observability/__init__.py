@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from plugtrain.observability.metrics import write_run_records as write_run_records
     from plugtrain.observability.plot import plot_runs as plot_runs
     from plugtrain.observability.timing import StepTimer as StepTimer
+    from plugtrain.observability.timing import matmul_seconds as matmul_seconds
     from plugtrain.observability.timing import peak_memory_gib as peak_memory_gib
     from plugtrain.observability.timing import peak_tflops as peak_tflops
     from plugtrain.observability.timing import throughput as throughput

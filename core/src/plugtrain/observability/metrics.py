@@ -17,6 +17,10 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (
 ``mfu_pct``                       model FLOPs utilisation in percent of the GPU's dense bf16
                                   peak; absent on CPU or on a GPU of unknown peak [``mfu``,
                                   shown instead of ``tflops``]
+``mfu_matmul_pct``                on CPU, the same in percent of what torch's matmuls reach on
+                                  this machine at the step's GEMM shapes, timed at start-up
+                                  (``metrics.matmul_limit``) [``mfu(mm)``, shown instead of
+                                  ``tflops``]
 ``time_step_s``                   seconds per step, the sum of the four phases below [``time``,
                                   in ms; the phases are in the file only]
 ``time_data_s``                   waiting for the batch
@@ -103,6 +107,7 @@ _COLORS = {
 CONSOLE_SHORT_FORMS = {
     "tok/s": "tokens_per_sec",
     "mfu": "mfu_pct",
+    "mfu(mm)": "mfu_matmul_pct",
     "mem": "memory_gib",
     "time": "time_step_s",
     "skipped": "skipped_steps",
@@ -119,9 +124,11 @@ _TRAILING = (
     ("lr", "{:.2e}", ""),
     ("tokens_per_sec", "{:,.0f}", "blue"),
     ("mfu_pct", "{:.1f}%", "green"),
-    ("tflops", "{:.3g}", ""),  # only without mfu_pct, which says the same against the peak
+    ("mfu_matmul_pct", "{:.1f}%", "green"),
+    ("tflops", "{:.3g}", ""),  # only without an MFU, which says the same against a limit
     ("memory_gib", "{:.2f}GiB", "yellow"),
 )
+_HAS_MFU = {"mfu_pct", "mfu_matmul_pct"}
 _LABELS = {key: label for label, key in CONSOLE_SHORT_FORMS.items()}
 
 
@@ -157,12 +164,13 @@ def format_line(
 
     ``step    10 | loss 5.1234 | grad_clip/grad_norm 0.8123 | lr 3.00e-03 | tok/s 5,012 |
     tflops 0.021 | mem 0.41GiB | time 162ms``, with ``mfu`` instead of ``tflops`` when the
-    peak is known and ``skipped 2 (grad_clip 2)`` once a step was vetoed. Each value is labelled
-    with its record key, or with its short form in :data:`CONSOLE_SHORT_FORMS` (the vetoing
-    plugins in parentheses stand for ``skipped_steps.<plugin>``). Of the plugins' metrics
-    (``<plugin>/<key>``) only those in ``shown`` appear, in the order of their keys, as the
-    plugins chose them with :meth:`~plugtrain.plugin.SetupContext.show_on_console`; one whose
-    flag is true only while it is not zero.
+    peak is known (``mfu(mm)`` against the CPU's matmul limit) and ``skipped 2 (grad_clip 2)``
+    once a step was vetoed. Each value is labelled with its record key, or with its short form
+    in :data:`CONSOLE_SHORT_FORMS` (the vetoing plugins in parentheses stand for
+    ``skipped_steps.<plugin>``). Of the plugins' metrics (``<plugin>/<key>``) only those in
+    ``shown`` appear, in the order of their keys, as the plugins chose them with
+    :meth:`~plugtrain.plugin.SetupContext.show_on_console`; one whose flag is true only while
+    it is not zero.
     """
     shown = shown or {}
     parts = [("bold", f"step {record['step']:>5}")]
@@ -175,7 +183,7 @@ def format_line(
     parts += [
         (c, f"{_LABELS.get(k, k)} {fmt.format(record[k])}")
         for k, fmt, c in _TRAILING
-        if k in record and not (k == "tflops" and "mfu_pct" in record)
+        if k in record and not (k == "tflops" and _HAS_MFU & record.keys())
     ]
     if "time_step_s" in record:
         parts.append(("dim", f"time {_ms(record['time_step_s'])}ms"))

@@ -63,6 +63,7 @@ from plugtrain.observability import (
     HookTracer,
     MetricsLogger,
     StepTimer,
+    matmul_seconds,
     peak_memory_gib,
     peak_tflops,
     setup_logging,
@@ -204,10 +205,11 @@ class Trainer:
         """Training tokens consumed, over all ranks."""
         self.metrics = MetricsLogger(config, enabled=self.world.is_main)
         self.timer = StepTimer(self.device)
-        # Only rank 0 logs metrics, so only it looks the peak up (and warns if unknown).
+        # Only rank 0 logs metrics, so only it looks the limits up (and warns if unknown).
         self.peak_tflops = (
             peak_tflops(self.device, config.metrics.peak_tflops) if self.world.is_main else None
         )
+        self.matmul_step_seconds = self._matmul_limit() if self.world.is_main else None
         self.tracer: HookTracer | None = None
         if tracing_requested(config.metrics.trace_hooks):
             self.tracer = HookTracer.install(host, config.job.records_folder, self.world.rank)
@@ -247,6 +249,17 @@ class Trainer:
                     str(self.checkpointer.storage.location) if config.checkpoint.enable else None
                 ),
             )
+
+    def _matmul_limit(self) -> float | None:
+        """Seconds the GEMMs of one of this rank's steps alone take, timed on this CPU
+        (``metrics.matmul_limit``); None on CUDA, whose limit is its peak."""
+        train_cfg = self.config.training
+        if self.device.type != "cpu" or not self.config.metrics.matmul_limit:
+            return None
+        accum = train_cfg.grad_accum_steps
+        rows = train_cfg.batch_size // (self.world.world_size * accum)
+        gemms = self.model_args.gemms(rows, train_cfg.seq_len)
+        return accum * matmul_seconds(gemms, self.device, self.param_dtype)
 
     def _train_dataset(self) -> PackedDataset | MixtureDataset:
         """``data.train_path``'s samples, or the mixture of ``data.sources`` when set."""
@@ -563,6 +576,7 @@ class Trainer:
                 self.world.world_size,
                 self.model_args.flops_per_token(train_cfg.seq_len),
                 self.peak_tflops,
+                self.matmul_step_seconds,
             ),
             **times,
             memory_gib=peak_memory_gib(self.device),
