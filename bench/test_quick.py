@@ -209,3 +209,18 @@ def test_document_masking(tmp_path):
     ]
     assert all(0 < f["masked_fraction"] < 0.01 for f in results["masked_pairs"])  # whole plays
     assert results["step_cost"]["step_cpu"]["ratio"]["n"] == 3
+
+
+def test_roofline(tmp_path):
+    (result,) = quick_results("roofline", tmp_path, "--thread-counts", "1")
+    assert (result["case"], result["threads"]) == ("debug", 1)
+    # The GEMMs are the model FLOPs less the norm weights' share of 6N.
+    norms = 6 * result["tokens_per_step"] * (2 * 4 + 1) * 256  # debug: 4 layers, dim 256
+    assert result["gemm_flops_per_step"] == result["model_flops_per_step"] - norms
+    assert result["fraction_of_limit"]["ratio"]["median"] > 0
+    split = result["profile_split"]
+    assert list(split) == [
+        "gemm", "attention", "loss", "optimizer", "other operators", "hooks", "unattributed",
+    ]  # fmt: skip
+    assert sum(split.values()) == pytest.approx(1.0)
+    assert split["gemm"] > split["loss"] > 0 and split["optimizer"] > 0
