@@ -192,12 +192,14 @@ def loss_terms(ctx: LossContext) -> Mapping[str, torch.Tensor] | None:
     Fires once per microbatch, after the forward and before ``pre_backward``, and only in runs
     where a plugin implements it (otherwise the loss is computed exactly as without it). The
     plugin sees ``ctx.logits``, ``ctx.targets`` and ``ctx.lse`` (the log-sum-exp of the logits,
-    computed once for all plugins), not the model. Each value is a 0-d tensor in the autograd
-    graph, a mean over the microbatch's tokens like the cross-entropy: the trainer divides it by
-    the number of microbatches and adds it to the loss that ``pre_backward`` sees, so a loss
-    scaler scales the total. The terms are added in the order of their names, whatever the
-    plugins' order. Each is logged on logging steps as ``<plugin name>/<key>``, averaged over
-    microbatches and ranks like the loss; ``loss`` itself stays the cross-entropy.
+    computed once for all plugins), not the model; ``ctx.logits`` is None when the loss is
+    computed in chunks (``[model] loss_chunks``), ``ctx.lse`` is always there. Each value is a
+    0-d tensor in the autograd graph, a mean over the microbatch's tokens like the
+    cross-entropy: the trainer divides it by the number of microbatches and adds it to the loss
+    that ``pre_backward`` sees, so a loss scaler scales the total. The terms are added in the
+    order of their names, whatever the plugins' order. Each is logged on logging steps as
+    ``<plugin name>/<key>``, averaged over microbatches and ranks like the loss; ``loss`` itself
+    stays the cross-entropy.
     """
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
@@ -341,20 +340,27 @@ class LossContext:
     microbatch: int
     """Index of the microbatch, ``0 .. num_microbatches - 1``."""
     num_microbatches: int
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     """The model's output, ``(batch, seq_len, vocab)`` in the compute dtype, in the autograd
-    graph: a term computed from it is backpropagated."""
+    graph: a term computed from it is backpropagated. None with ``[model] loss_chunks`` > 1,
+    where the full logits never exist: a term of the logits' normaliser reads :attr:`lse`."""
     targets: torch.Tensor
     """The next-token ids, ``(batch, seq_len)``."""
+    precomputed_lse: torch.Tensor | None = field(default=None, repr=False)
+    """:attr:`lse` as a chunked loss computed it beside the loss, chunk by chunk; None: the
+    property computes it from :attr:`logits` on first use."""
 
-    @cached_property
+    @property
     def lse(self) -> torch.Tensor:
         """The log-sum-exp of the logits over the vocabulary, ``(batch, seq_len)``, in fp32.
 
         Computed on first use and shared by every plugin of the microbatch. The cross-entropy
         does not reuse it: rebuilding it from this would change the main loss's rounding.
         """
-        return torch.logsumexp(self.logits.float(), dim=-1)
+        if self.precomputed_lse is None:
+            assert self.logits is not None
+            self.precomputed_lse = torch.logsumexp(self.logits.float(), dim=-1)
+        return self.precomputed_lse
 
 
 @dataclass(eq=False)

@@ -53,6 +53,11 @@ class ModelConfig:
     CPU through SDPA with a boolean mask. With it, ``data.reset_positions`` defaults to true.
     ``auto``: ``document`` when the training data is chat (packed conversations never see
     each other), else ``causal``."""
+    loss_chunks: int = 1
+    """Compute the output projection and the cross-entropy in this many chunks of the
+    microbatch's tokens, backward recomputing each chunk's logits (``model.loss.ChunkedLoss``):
+    the loss's memory, ``12 * vocab`` bytes a token, falls by this factor, for one more pass of
+    the output projection. 1: the whole logits at once."""
 
     def __post_init__(self) -> None:
         choices = (*FLAVORS, "hf")
@@ -75,6 +80,7 @@ class ModelConfig:
                 "hf_config",
                 f"is set, but flavor is '{self.flavor}': set model.flavor = \"hf\" to use it",
             )
+        check_field(self.loss_chunks >= 1, "loss_chunks", f"must be >= 1, got {self.loss_chunks}")
         ffn_dim = self.ffn_dim
         check_field(ffn_dim is None or ffn_dim >= 1, "ffn_dim", f"must be >= 1, got {ffn_dim}")
         try:

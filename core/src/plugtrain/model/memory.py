@@ -19,6 +19,7 @@ gradients of earlier microbatches are there):
 * **logits**: ``12 * vocab`` bytes a token of the microbatch: the loss upcasts the logits to
   fp32 and log-softmax keeps its fp32 output; at the start of backward that output, the
   gradient NLL gives it and the gradient it gives back are three fp32 [tokens, vocab] tensors.
+  A loss in chunks (``loss_chunks``) holds them for one chunk's tokens at a time.
 
 What a block keeps, per token, read off ``transformer.py``'s ops (``d`` = dim, ``q`` = n_heads *
 head_dim, ``kv`` = n_kv_heads * head_dim, ``H`` = ffn_hidden_dim, ``p`` = bytes of the compute
@@ -149,6 +150,7 @@ def estimate_memory(
     checkpointing: Checkpointing,
     dp_replicate: int = 1,
     tp: int = 1,
+    loss_chunks: int = 1,
 ) -> MemoryEstimate:
     """The bytes each of ``world_size`` processes holds at a step's peak, training ``args`` on
     microbatches of ``microbatch`` sequences of ``seq_len`` tokens (dtypes by config name); the
@@ -157,7 +159,8 @@ def estimate_memory(
     Under tensor parallelism (``tp > 1``) those ranks are ``tp`` splitting each tensor times
     the FSDP ranks sharding the splits (the norms, replicated over ``tp``, are counted split
     too: a few vectors); FSDP gathers the splits only; the activations and logits of a
-    microbatch are split over ``tp`` but for the norms' all-gathered outputs."""
+    microbatch are split over ``tp`` but for the norms' all-gathered outputs. The loss computed
+    in ``loss_chunks`` chunks of tokens holds one chunk's logits at a time."""
     p, r = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
     n, tokens = args.num_params(), microbatch * seq_len
     sharded = tp > 1 or needs_sharding(world_size, DTYPES[param_dtype], DTYPES[reduce_dtype])
@@ -196,8 +199,10 @@ def estimate_memory(
             ),
             (
                 "logits",
-                tokens * args.vocab_size * 12 // tp,
-                "3 fp32 [tokens, vocab] in the loss" + (f", split over tp {tp}" if tp > 1 else ""),
+                math.ceil(tokens / loss_chunks) * args.vocab_size * 12 // tp,
+                "3 fp32 [tokens, vocab] in the loss"
+                + (f", split over tp {tp}" if tp > 1 else "")
+                + (f", one of {loss_chunks} chunks at a time" if loss_chunks > 1 else ""),
             ),
         ),
         setting=f"{world_size} process(es)"

@@ -32,8 +32,9 @@ from plugtrain.model.transformer import Transformer, cross_entropy
 __all__ = ["check_tensor_parallel", "parallel_cross_entropy", "parallelize", "plan"]
 
 
-def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int) -> None:
-    """Refuse, in one line naming the values, a model that ``tp`` ranks cannot split evenly."""
+def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int, loss_chunks: int = 1) -> None:
+    """Refuse, in one line naming the values, a model that ``tp`` ranks cannot split evenly,
+    or a loss in chunks (``loss_chunks``), which does not split sequence-parallel tokens."""
     if tp == 1:
         return
     sizes = {
@@ -53,6 +54,12 @@ def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int) -> None:
         raise ConfigError(
             f"parallelism.tp = {tp} with model.tie_embeddings = true is not supported yet: "
             "untie the embeddings, or set parallelism.tp = 1"
+        )
+    if loss_chunks > 1:
+        raise ConfigError(
+            f"parallelism.tp = {tp} with model.loss_chunks = {loss_chunks} is not supported: "
+            "set model.loss_chunks = 1 (the vocabulary-sharded logits already split the loss's "
+            "memory by tp)"
         )
 
 

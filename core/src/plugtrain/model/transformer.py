@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from plugtrain.model.args import FLAVORS, ModelArgs, RopeScaling
 from plugtrain.model.attention import attention_variant
+
+T = TypeVar("T")
 
 __all__ = [
     "FLAVORS",
@@ -300,7 +303,11 @@ class Transformer(nn.Module):
     ``MicroBatch.positions`` restarts them at each document). For inference,
     ``forward(tokens, cache)`` with a :class:`KVCache` takes ``tokens`` as the positions after
     those the cache holds, and appends theirs (call it under ``torch.no_grad``). Both build
-    the attention variant's mask once and hand it to every block.
+    the attention variant's mask once and hand it to every block. ``forward(tokens,
+    head=head)`` returns ``head(h, project)`` instead of the logits, ``h`` the final norm's
+    output and ``project`` (:meth:`project`) what makes logits of it: a loss that never holds
+    the full logits (``model.loss.ChunkedLoss``) runs inside the forward, where FSDP2 has the
+    output projection gathered.
 
     Build on any device (including meta) and then call ``init_weights(seed)``; the constructor's
     own initialisation is PyTorch's default and is not meant to be trained from.
@@ -339,7 +346,8 @@ class Transformer(nn.Module):
         *,
         documents: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        head: Callable[[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], T] | None = None,
+    ) -> torch.Tensor | T:
         start = 0 if cache is None else cache.length
         seq_len = tokens.shape[1]
         if start + seq_len > self.args.max_seq_len:
@@ -364,7 +372,16 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += seq_len
         h = self.norm(h)
-        return F.linear(h, self.tok_embeddings.weight) if self.output is None else self.output(h)
+        if head is not None:
+            return head(h, self.project)
+        return self.project(h)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of the final norm's output ``hidden``: the output projection, or the
+        embedding's matrix when tied."""
+        if self.output is None:
+            return F.linear(hidden, self.tok_embeddings.weight)
+        return self.output(hidden)
 
     def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:
         """(parameter, how to fill it) for every parameter, in a fixed, sharding-free order.

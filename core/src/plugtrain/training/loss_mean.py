@@ -15,7 +15,7 @@ mean.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,18 +23,12 @@ import torch.distributed as dist
 from plugtrain.data import IGNORE_INDEX, MicroBatch
 from plugtrain.errors import ConfigError
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 class StepLoss:
-    """The loss of each microbatch of a step; see the module doc.
+    """Each microbatch's share of its step's loss; see the module doc."""
 
-    ``loss_fn`` is the trainer's (a compiler may have replaced it): the mean cross-entropy for
-    data without a mask, the summed one (``summed_cross_entropy``) with ``masked``.
-    """
-
-    def __init__(self, loss_fn: LossFn, *, masked: bool, world_size: int) -> None:
-        self.loss_fn, self.masked, self.world_size = loss_fn, masked, world_size
+    def __init__(self, *, masked: bool, world_size: int) -> None:
+        self.masked, self.world_size = masked, world_size
         self._weight: torch.Tensor | None = None
 
     def start(self, batch: Sequence[MicroBatch]) -> None:
@@ -48,14 +42,13 @@ class StepLoss:
         # A step with no counted token at all trains on nothing: weight 1 keeps its loss 0.
         self._weight = self.world_size / count.clamp(min=1)
 
-    def __call__(
-        self, logits: torch.Tensor, targets: torch.Tensor, num_microbatches: int
-    ) -> torch.Tensor:
-        """This microbatch's share of the step's loss."""
+    def __call__(self, loss: torch.Tensor, num_microbatches: int) -> torch.Tensor:
+        """This microbatch's share of the step's loss, of its cross-entropy ``loss``: the mean
+        over its tokens, or with ``masked`` the sum over its counted ones."""
         if not self.masked:
-            return self.loss_fn(logits, targets) / num_microbatches
+            return loss / num_microbatches
         assert self._weight is not None, "start() the step first"
-        return self.loss_fn(logits, targets) * self._weight
+        return loss * self._weight
 
 
 def check_masked_loss_parallelism(tp: int, source: str) -> None:

@@ -30,9 +30,15 @@ class LossTerms:
         return cls() if host.implementers("loss_terms") else None
 
     @staticmethod
-    def context(ctx: StepContext, logits: torch.Tensor, targets: torch.Tensor) -> LossContext:
-        """What ``loss_terms`` receives for the current microbatch of step ``ctx``."""
-        return LossContext(ctx.step, ctx.microbatch, ctx.num_microbatches, logits, targets)
+    def context(
+        ctx: StepContext,
+        logits: torch.Tensor | None,
+        targets: torch.Tensor,
+        lse: torch.Tensor | None = None,
+    ) -> LossContext:
+        """What ``loss_terms`` receives for the current microbatch of step ``ctx``: its logits,
+        or None and their log-sum-exp ``lse`` when the loss is computed in chunks."""
+        return LossContext(ctx.step, ctx.microbatch, ctx.num_microbatches, logits, targets, lse)
 
     def added_to(
         self,

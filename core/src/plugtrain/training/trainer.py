@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from plugtrain.errors import ConfigError
 from plugtrain.host import PluginHost
 from plugtrain.model import (
     DTYPES,
+    ChunkedLoss,
     Transformer,
     build_model,
     check_tensor_parallel,
@@ -172,7 +173,9 @@ class Trainer:
             DevicePrefetcher(loader, self.device), self.control.skip_ranges
         )
         self.model_args = config.model.model_args(self.tokenizer.vocab_size, train_cfg.seq_len)
-        check_tensor_parallel(self.model_args, self.world.tp, train_cfg.seq_len)
+        check_tensor_parallel(
+            self.model_args, self.world.tp, train_cfg.seq_len, config.model.loss_chunks
+        )
         # Under tensor parallelism the logits are sharded over the vocabulary: the loss (and its
         # backward) is computed on the shards, inside loss_parallel.
         self.loss_parallel = loss_parallel if self.world.tp > 1 else contextlib.nullcontext
@@ -370,7 +373,7 @@ class Trainer:
         self.hook.compile_model(ctx=ctx)
         self.loss_fn = ctx.loss_fn
         self.step_loss = StepLoss(
-            ctx.loss_fn, masked=self.train_data.loss_mask, world_size=self.world.world_size
+            masked=self.train_data.loss_mask, world_size=self.world.world_size
         )
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, str]:
@@ -461,16 +464,21 @@ class Trainer:
         self.step_loss.start(batch)
         with self.loss_parallel():  # nothing without tensor parallelism
             for ctx.microbatch, microbatch in enumerate(batch):
-                inputs, targets = microbatch.inputs, microbatch.targets
-                logits = self.model(inputs, **microbatch.model_inputs())
-                loss = self.step_loss(logits, targets, ctx.num_microbatches)
+                targets = microbatch.targets
+                logits, loss, lse = self._forward(
+                    microbatch,
+                    self.loss_fn,
+                    with_lse=self.loss_terms is not None,
+                    summed=self.train_data.loss_mask,
+                )
+                loss = self.step_loss(loss, ctx.num_microbatches)
                 loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
                 if self.loss_terms is not None:  # only in runs where a plugin implements the hook
                     terms = self.host.results(
-                        "loss_terms", ctx=self.loss_terms.context(ctx, logits, targets)
+                        "loss_terms", ctx=self.loss_terms.context(ctx, logits, targets, lse)
                     )
                     loss = self.loss_terms.added_to(loss, terms, ctx)
-                del logits  # freed before backward, as the graph keeps only what it needs
+                del logits, lse  # freed before backward, as the graph keeps only what it needs
                 ctx.loss = loss
                 lap("fwd_bwd")
                 self.hook.pre_backward(ctx=ctx)
@@ -496,6 +504,25 @@ class Trainer:
         self.step = ctx.step
         self.tokens_seen += self.config.training.batch_size * self.config.training.seq_len
         return loss_sum, ctx
+
+    def _forward(
+        self,
+        microbatch: MicroBatch,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        with_lse: bool = False,
+        summed: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """A microbatch's logits, its loss (``loss_fn`` of the logits: the mean cross-entropy,
+        or with ``summed`` the sum over the counted tokens) and, ``with_lse``, the logits'
+        log-sum-exp for loss terms; with ``model.loss_chunks`` > 1 no logits (None), and the
+        loss and log-sum-exp of :class:`ChunkedLoss`."""
+        chunks = self.config.model.loss_chunks
+        inputs, targets = microbatch.inputs, microbatch.targets
+        if chunks == 1:
+            logits = self.model(inputs, **microbatch.model_inputs())
+            return logits, loss_fn(logits, targets), None
+        head = ChunkedLoss(targets, chunks, with_lse=with_lse, summed=summed)
+        return None, *self.model(inputs, **microbatch.model_inputs(), head=head)
 
     def train(self) -> None:
         """Train until ``training.steps``, logging and validating on schedule."""
@@ -636,18 +663,18 @@ class Trainer:
         ):
             microbatch = microbatch.to(self.device)
             targets = microbatch.targets
-            # The training forward's masking and positions: the same loss for the same text.
+            # The training forward's masking, positions and chunks: the same loss for the text.
             with self.loss_parallel():
-                logits = self.model(microbatch.inputs, **microbatch.model_inputs())
-                if self.val_data.loss_mask:  # the loss over the counted tokens, as in training
-                    counted = targets != IGNORE_INDEX
-                    loss = summed_cross_entropy(logits, targets)
-                    total[0] += loss
-                    total[1] += counted.sum()
-                    scored[0] += loss.double()
-                    scored[1] += (self.token_bytes[targets.clamp(min=0)] * counted).sum()
-                    continue
-                loss = self.cross_entropy(logits, targets)
+                masked = self.val_data.loss_mask
+                loss_fn = summed_cross_entropy if masked else self.cross_entropy
+                loss = self._forward(microbatch, loss_fn, summed=masked)[1]
+            if masked:  # the loss over the counted tokens, as in training
+                counted = targets != IGNORE_INDEX
+                total[0] += loss
+                total[1] += counted.sum()
+                scored[0] += loss.double()
+                scored[1] += (self.token_bytes[targets.clamp(min=0)] * counted).sum()
+                continue
             total[0] += loss
             total[1] += 1
             scored[0] += loss.double() * targets.numel()

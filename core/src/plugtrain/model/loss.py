@@ -1,0 +1,68 @@
+"""The training loss computed in chunks of tokens, so that the full logits never exist.
+
+At a large vocabulary the logits dominate a step's memory: ``tokens x vocab`` in the compute
+dtype, their fp32 copy, log-softmax's fp32 output and, in backward, its gradient (12 bytes a
+token and vocabulary entry in fp32). :class:`ChunkedLoss` is a head for
+``Transformer.forward``: it takes the final norm's output and the output projection, and
+computes the projection and the cross-entropy one chunk of tokens at a time, each under
+activation checkpointing, so that backward recomputes the chunk's logits instead of keeping
+them. Memory for the loss falls by the number of chunks; the projection runs twice (about
+``2 * tokens * dim * vocab`` FLOPs more per step, a third of the output projection's share).
+The loss equals the unchunked one up to float32 rounding: the sums are taken in another order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["ChunkedLoss"]
+
+
+class ChunkedLoss:
+    """``head(hidden, project) -> (loss, lse)``: the mean next-token cross-entropy of ``targets``
+    over ``chunks`` chunks of tokens (with ``summed``, its sum over the targets that are not
+    ``-100``, as a loss mask leaves them), and, with ``with_lse``, each token's log-sum-exp of the
+    logits (``(batch, seq_len)``, fp32, in the autograd graph) for loss terms such as z-loss;
+    ``lse`` is None without it."""
+
+    def __init__(
+        self, targets: torch.Tensor, chunks: int, with_lse: bool = False, summed: bool = False
+    ) -> None:
+        self.targets = targets
+        self.chunks = chunks
+        self.with_lse = with_lse
+        self.summed = summed
+
+    def __call__(
+        self, hidden: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, seq_len = self.targets.shape
+        total = torch.zeros((), device=hidden.device)
+        lses = []
+        for h, t in zip(
+            hidden.flatten(0, 1).chunk(self.chunks),
+            self.targets.flatten().chunk(self.chunks),
+            strict=True,
+        ):
+            ce, lse = checkpoint(self._chunk, project, h, t, use_reentrant=False)
+            total = total + ce
+            lses.append(lse)
+        lse = torch.cat(lses).view(batch, seq_len) if self.with_lse else None
+        return (total if self.summed else total / self.targets.numel()), lse
+
+    def _chunk(
+        self,
+        project: Callable[[torch.Tensor], torch.Tensor],
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's summed cross-entropy and its tokens' log-sum-exp (empty without
+        ``with_lse``: checkpoint needs a tensor)."""
+        logits = project(hidden).float()
+        ce = F.cross_entropy(logits, targets, reduction="sum")
+        lse = torch.logsumexp(logits, dim=-1) if self.with_lse else logits.new_empty(0)
+        return ce, lse
