@@ -11,6 +11,9 @@ Parts, most valuable first, so that what matters most is done when the budget ru
    bf16's tokens/s), then compiled, with activation checkpointing, both.
 3. Hook overhead against the hand-written loop (``bench/hook_overhead.py``'s ``run_case``):
    1B in bf16 (target <= 1%) and fp16 (2%), the debug model (host-bound) last.
+4. The roofline row (``bench/roofline.py``'s on a GPU): the 1B bf16 step against the GPU's
+   peak (MFU) and against its matmul limit, torch's own matmuls timed at the step's GEMM
+   shapes (``ModelArgs.gemms``, the FLOP formula of both).
 
 The benchmark parts run one after another in a worker process, which a crash or an overrun
 ends (the next part starts a new one). The JSON report (``--out``) and its Markdown summary
@@ -55,7 +58,7 @@ class Part:
 
     id: str
     kind: str
-    """``throughput`` or ``overhead``."""
+    """``throughput``, ``overhead`` or ``roofline`` (a throughput with the matmul limit)."""
     dtype: str
     flavor: str = "1B"
     compile: bool = False
@@ -73,6 +76,7 @@ PARTS = [
     Part("oh-1B-fp16", "overhead", "float16"),
     Part("oh-debug-bf16", "overhead", "bfloat16", flavor="debug"),
     Part("oh-debug-fp16", "overhead", "float16", flavor="debug"),
+    Part("roofline-1B-bf16", "roofline", "bfloat16"),
 ]
 """The benchmark parts, in the order they run (after the tests)."""
 ALL_PARTS = ["tests", *(p.id for p in PARTS)]
@@ -135,7 +139,7 @@ def run_part(part: Part, args: argparse.Namespace, peak: float | None) -> dict:
 
     dry = args.dry_run
     flavor = "tiny" if dry else part.flavor
-    if part.kind == "throughput":
+    if part.kind in ("throughput", "roofline"):
         batch, seq = (2, 32) if dry else (4, 2048)
         # NOTE: inductor on a CPU needs a C++ compiler and minutes; aot_eager runs the same
         # plugin path without it.
@@ -144,6 +148,9 @@ def run_part(part: Part, args: argparse.Namespace, peak: float | None) -> dict:
         result = throughput(
             flavor, part.dtype, batch, seq, warmup, steps, part.compile, peak, part.ac, extra
         )
+        if part.kind == "roofline":
+            step_s = result["step_seconds"]["median"]
+            result |= matmul_limit(flavor, part.dtype, batch, seq, step_s)
     else:
         batch, seq = (2, 32) if dry else ((8, 128) if part.flavor == "debug" else (2, 2048))
         n_rounds = 2 if dry else (60 if part.flavor == "debug" else 10)
@@ -153,6 +160,23 @@ def run_part(part: Part, args: argparse.Namespace, peak: float | None) -> dict:
         control = part.flavor == "debug" or memory_gib >= 120 or dry
         result = run_case(case, n_rounds, 1 if dry else 5, accum=1, control=control)
     return result
+
+
+def matmul_limit(flavor: str, dtype: str, batch: int, seq: int, step_seconds: float) -> dict:
+    """The step's GEMMs timed alone with torch's matmuls on the GPU, and the step's fraction."""
+    import torch
+
+    from plugtrain.model import DTYPES, FLAVORS
+    from plugtrain.observability.timing import matmul_seconds
+
+    gemms = FLAVORS[flavor].gemms(batch, seq)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seconds = matmul_seconds(gemms, device, DTYPES[dtype])
+    return {
+        "matmul_limit_seconds": seconds,
+        "matmul_limit_tflops": sum(g.flops for g in gemms) / seconds / 1e12,
+        "fraction_of_matmul_limit": seconds / step_seconds,
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -449,6 +473,8 @@ def summary_markdown(parts: dict[str, dict], checks: dict[str, dict]) -> str:
         elif "counts" in r:
             cells[3] = ", ".join(f"{n} {k}" for k, n in r["counts"].items())
         detail = r.get("error") or r.get("reason") or ""
+        if "fraction_of_matmul_limit" in res:
+            detail = f"{res['fraction_of_matmul_limit']:.1%} of the matmul limit"
         rows.append([part, r["status"], f"{r['seconds']:.0f}", *cells, detail])
     headers = ["part", "status", "s", "tokens/s", "MFU", "peak GiB", "A/B or tests", "note"]
     return text + "\n\n" + benchlib.table(headers, rows)

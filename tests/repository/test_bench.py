@@ -68,13 +68,13 @@ def test_gpu_check_past_its_budget_starts_nothing_and_says_so(gpu_check):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(gpu_check, tmp_path):
-    parts = "tests,tp-fp16,oh-1B-bf16"
+    parts = "tests,tp-fp16,oh-1B-bf16,roofline-1B-bf16"
     code, record = gpu_check("--dry-run", "--parts", parts)
     assert code == 0
     assert set(record) == RECORD_FIELDS and record["args"]["dry_run"] is True
     results = record["results"]
     assert list(results["parts"]) == parts.split(",")
-    tests, throughput, overhead = results["parts"].values()
+    tests, throughput, overhead, roofline = results["parts"].values()
     assert {p["status"] for p in results["parts"].values()} == {"ok"}
     # Without CUDA every GPU test is collected and skipped.
     assert tests["counts"]["passed"] == tests["counts"]["failed"] == 0
@@ -83,6 +83,12 @@ def test_gpu_check_dry_run(gpu_check, tmp_path):
     assert throughput["result"]["dtype"] == "float16" and throughput["result"]["tokens_per_s"] > 0
     assert sorted(throughput["result"]["active_plugins"]) == ["grad_clip", "grad_scaler"]
     assert overhead["result"]["losses_bitwise_equal"] is True
+    # The roofline row: the step against its peak (MFU) and its GEMMs timed alone.
+    row = roofline["result"]
+    assert row["dtype"] == "bfloat16" and row["mfu"] > 0
+    assert row["fraction_of_matmul_limit"] == pytest.approx(
+        row["matmul_limit_seconds"] / row["step_seconds"]["median"]
+    )
     verdicts = results["verdicts"]
     assert list(verdicts) == [
         "bf16_mfu", "fp16_over_bf16_tokens_per_s", "hook_overhead_1B_bf16", "sync_free_steps",
@@ -93,6 +99,7 @@ def test_gpu_check_dry_run(gpu_check, tmp_path):
     summary = (tmp_path / "gpu_check.md").read_text()
     assert summary == results["summary_markdown"] + "\n"
     assert "| tp-fp16 " in summary and "| hook_overhead_1B_bf16 " in summary
+    assert "of the matmul limit" in summary
 
 
 def test_gpu_check_verdicts_read_the_test_outcomes(gpu_check, tmp_path):
