@@ -33,8 +33,9 @@ __all__ = ["check_tensor_parallel", "parallel_cross_entropy", "parallelize", "pl
 
 
 def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int, loss_chunks: int = 1) -> None:
-    """Refuse, in one line naming the values, a model that ``tp`` ranks cannot split evenly,
-    or a loss in chunks (``loss_chunks``), which does not split sequence-parallel tokens."""
+    """Refuse, in one line naming the values, a model that ``tp`` ranks cannot split evenly;
+    document masking, whose per-token positions no TP run has checked yet; or a loss in chunks
+    (``loss_chunks``), which does not split sequence-parallel tokens."""
     if tp == 1:
         return
     sizes = {
@@ -54,6 +55,11 @@ def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int, loss_chunks: i
         raise ConfigError(
             f"parallelism.tp = {tp} with model.tie_embeddings = true is not supported yet: "
             "untie the embeddings, or set parallelism.tp = 1"
+        )
+    if args.attention != "sdpa":
+        raise ConfigError(
+            f'parallelism.tp = {tp} with model.attention = "document" is not tested yet: set '
+            'model.attention = "causal", or parallelism.tp = 1'
         )
     if loss_chunks > 1:
         raise ConfigError(
