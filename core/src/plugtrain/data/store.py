@@ -105,14 +105,7 @@ class TokenStore:
         total = 0
         for shard in self.manifest["shards"]:
             path = self.folder / shard["file"]
-            expected = shard["num_tokens"] * self.dtype.itemsize
-            size = path.stat().st_size if path.is_file() else None
-            if size != expected:
-                what = "is missing" if size is None else f"has {size} bytes, not {expected}"
-                raise DataError(
-                    f"shard {path} {what} (truncated or damaged): run '{PREPARE_HINT}' again "
-                    f"to rewrite {self.folder}"
-                )
+            self._check_size("shard", path, shard["num_tokens"] * self.dtype.itemsize)
             if shard["num_tokens"]:
                 self._shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
                 self._ends.append(self._open_index(shard))
@@ -130,26 +123,24 @@ class TokenStore:
     def _open_index(self, shard: dict[str, Any]) -> np.ndarray:
         """The shard's document end offsets (memory-mapped), checked for their size."""
         path = self.folder / shard["index"]
-        expected = shard["num_documents"] * np.dtype(np.int64).itemsize
+        self._check_size("document index", path, shard["num_documents"] * 8)  # int64 offsets
+        return np.memmap(path, dtype=np.int64, mode="r")
+
+    def _open_mask(self, shard: dict[str, Any]) -> np.ndarray:
+        """The shard's loss mask, one byte a token (memory-mapped), checked for its size."""
+        path = self.folder / shard.get("mask", "")
+        self._check_size("mask", path, shard["num_tokens"])
+        return np.memmap(path, dtype=np.uint8, mode="r")
+
+    def _check_size(self, kind: str, path: Path, expected: int) -> None:
+        """Refuse, in one line, a file of the folder that is missing or not ``expected`` bytes."""
         size = path.stat().st_size if path.is_file() else None
         if size != expected:
             what = "is missing" if size is None else f"has {size} bytes, not {expected}"
             raise DataError(
-                f"document index {path} {what} (truncated or damaged): run '{PREPARE_HINT}' "
-                f"again to rewrite {self.folder}"
-            )
-        return np.memmap(path, dtype=np.int64, mode="r")
-
-    def _open_mask(self, shard: dict[str, Any]) -> np.ndarray:
-        path = self.folder / shard.get("mask", "")
-        size = path.stat().st_size if path.is_file() and "mask" in shard else None
-        if size != shard["num_tokens"]:
-            what = "is missing" if size is None else f"has {size} bytes, not {shard['num_tokens']}"
-            raise DataError(
-                f"mask {path} {what} (truncated or damaged): run '{PREPARE_HINT}' again to "
+                f"{kind} {path} {what} (truncated or damaged): run '{PREPARE_HINT}' again to "
                 f"rewrite {self.folder}"
             )
-        return np.memmap(path, dtype=np.uint8, mode="r")
 
     @property
     def vocab_size(self) -> int:
