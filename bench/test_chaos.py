@@ -1,7 +1,9 @@
 """The chaos soak (bench/chaos.py), short: kills under torchrun, and the run ends bit for bit.
 
 One soak of 3 SIGKILLs (one during a rewind) and a preemption, in async checkpoint mode, against
-the same run uninterrupted; every assert reads its JSON record.
+the same run uninterrupted; every assert reads its JSON record. A benchmark's run (over a minute
+of two CPUs), so out of the suite with the other bench tests: ``python -m pytest bench``. In the
+suite, tests/test_checkpoint.py kills a worker under torchrun and checks the bitwise resume.
 """
 
 from __future__ import annotations
