@@ -12,7 +12,6 @@ from plugtrain.data import IGNORE_INDEX
 from plugtrain.errors import ConfigError
 from plugtrain.model import ChunkedLoss, Transformer, cross_entropy, estimate_memory
 from plugtrain.model.memory import Checkpointing
-from plugtrain.model.tensor_parallel import check_tensor_parallel
 from plugtrain.model.transformer import FLAVORS, summed_cross_entropy
 from plugtrain.testing import tiny_run
 from plugtrain.training.launch import configure
@@ -90,15 +89,16 @@ def test_a_chunked_run_with_z_loss_trains_as_the_whole_logits_run(tmp_path):
 
 
 def test_the_memory_estimate_holds_one_chunks_logits():
-    def logits(chunks: int) -> int:
+    def logits(chunks: int, tp: int = 1) -> int:
         estimate = estimate_memory(
             FLAVORS["debug"],
-            world_size=1,
+            world_size=tp,
             microbatch=8,
             seq_len=128,
             param_dtype="float32",
             reduce_dtype="float32",
             checkpointing=Checkpointing(),
+            tp=tp,
             loss_chunks=chunks,
         )
         return dict((name, size) for name, size, _ in estimate.parts)["logits"]
@@ -106,16 +106,13 @@ def test_the_memory_estimate_holds_one_chunks_logits():
     assert logits(1) == 8 * 128 * FLAVORS["debug"].vocab_size * 12
     assert logits(4) == logits(1) // 4
     assert logits(3) == 342 * FLAVORS["debug"].vocab_size * 12  # ceil(1024 / 3) tokens
+    # Under tensor parallelism a rank holds its vocabulary shard of one chunk's logits.
+    assert logits(4, tp=2) == logits(1) // 8
 
 
 def test_zero_chunks_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"^config key 'model.loss_chunks' must be >= 1, got 0"):
         configure(["--job.dump_folder", str(tmp_path), "--model.loss_chunks", "0"])
-
-
-def test_chunks_under_tensor_parallelism_are_refused_in_one_line():
-    with pytest.raises(ConfigError, match=r"^parallelism.tp = 2 with model.loss_chunks = 4 is"):
-        check_tensor_parallel(TINY, 2, 32, loss_chunks=4)
 
 
 def test_the_summed_chunked_loss_skips_masked_targets_as_the_chat_loss_does():

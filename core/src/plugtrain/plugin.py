@@ -20,7 +20,7 @@ from plugtrain import API_VERSION, PROJECT_NAME
 from plugtrain.data import Rewind, SkipRange
 from plugtrain.errors import ConfigError, PluginError, check_field
 from plugtrain.evaluation import EncodedTasks, Score, Task, encode_tasks, read_task, score
-from plugtrain.model import TextTokenizer, complete
+from plugtrain.model import TextTokenizer, complete, logsumexp
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -356,10 +356,11 @@ class LossContext:
 
         Computed on first use and shared by every plugin of the microbatch. The cross-entropy
         does not reuse it: rebuilding it from this would change the main loss's rounding.
-        """
+        Under tensor parallelism it is replicated: a DTensor of the sharded :attr:`logits`
+        (reduced over the vocabulary's shards, never gathered), the plain tensor in chunks."""
         if self.precomputed_lse is None:
             assert self.logits is not None
-            self.precomputed_lse = torch.logsumexp(self.logits.float(), dim=-1)
+            self.precomputed_lse = logsumexp(self.logits.float())
         return self.precomputed_lse
 
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from plugtrain.model.hf import read_hf_config as read_hf_config
     from plugtrain.model.hf import to_hf as to_hf
     from plugtrain.model.loss import ChunkedLoss as ChunkedLoss
+    from plugtrain.model.loss import logsumexp as logsumexp
     from plugtrain.model.memory import Checkpointing as Checkpointing
     from plugtrain.model.memory import MemoryEstimate as MemoryEstimate
     from plugtrain.model.memory import estimate_memory as estimate_memory

@@ -1,4 +1,6 @@
-"""The training loss computed in chunks of tokens, so that the full logits never exist.
+"""The training loss in chunks of tokens, and the log-sum-exp of plain or sharded logits.
+
+Chunked, the full logits never exist.
 
 At a large vocabulary the logits dominate a step's memory: ``tokens x vocab`` in the compute
 dtype, their fp32 copy, log-softmax's fp32 output and, in backward, its gradient (12 bytes a
@@ -9,6 +11,18 @@ activation checkpointing, so that backward recomputes the chunk's logits instead
 them. Memory for the loss falls by the number of chunks; the projection runs twice (about
 ``2 * tokens * dim * vocab`` FLOPs more per step, a third of the output projection's share).
 The loss equals the unchunked one up to float32 rounding: the sums are taken in another order.
+
+Under tensor parallelism the final norm's output is split by position and the output
+projection by vocabulary. The head gathers the positions once (what the projection's own
+input layout does unchunked) and chunks the gathered tokens; each chunk's logits stay a DTensor
+sharded over the vocabulary, so ``loss_parallel``'s cross-entropy and :func:`logsumexp`
+reduce over the vocabulary with a collective of one value a token. Staying in DTensor, rather
+than a hand-written vocab-parallel loss on the local shards, keeps the backward's placements
+DTensor's to track: the gradient reaching the gathered tokens is partial over the ``tp``
+ranks and is reduce-scattered back to their positions (labelling it replicated instead is the
+bug of torchtitan PR #3412); the cross-entropy is the unchunked TP loss's, and each rank
+returns the replicated loss and log-sum-exp as plain tensors, as ``parallel_cross_entropy``
+does.
 """
 
 from __future__ import annotations
@@ -17,9 +31,29 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ChunkedLoss"]
+__all__ = ["ChunkedLoss", "logsumexp"]
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp over the last dimension of ``logits``, in their dtype: ``torch.logsumexp``
+    of a plain tensor; of a DTensor sharded over it (tensor-parallel logits), the max and the
+    sum of the shards' exponentials each all-reduced, where DTensor's ``torch.logsumexp`` would
+    all-gather the whole vocabulary first. The max is a constant to autograd: its gradient
+    terms cancel."""
+    if not isinstance(logits, DTensor):
+        return torch.logsumexp(logits, dim=-1)
+    top = logits.detach().amax(dim=-1, keepdim=True)
+    return ((logits - top).exp().sum(dim=-1).log() + top.squeeze(-1)).redistribute(
+        placements=[Replicate()] * logits.device_mesh.ndim
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as the plain tensor each rank holds; ``t`` if plain."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ChunkedLoss:
@@ -41,6 +75,8 @@ class ChunkedLoss:
         self, hidden: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq_len = self.targets.shape
+        if isinstance(hidden, DTensor):  # tensor parallel: every position, once
+            hidden = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
         total = torch.zeros((), device=hidden.device)
         lses = []
         for h, t in zip(
@@ -49,8 +85,8 @@ class ChunkedLoss:
             strict=True,
         ):
             ce, lse = checkpoint(self._chunk, project, h, t, use_reentrant=False)
-            total = total + ce
-            lses.append(lse)
+            total = total + _local(ce)
+            lses.append(_local(lse))
         lse = torch.cat(lses).view(batch, seq_len) if self.with_lse else None
         return (total if self.summed else total / self.targets.numel()), lse
 
@@ -64,5 +100,5 @@ class ChunkedLoss:
         ``with_lse``: checkpoint needs a tensor)."""
         logits = project(hidden).float()
         ce = F.cross_entropy(logits, targets, reduction="sum")
-        lse = torch.logsumexp(logits, dim=-1) if self.with_lse else logits.new_empty(0)
+        lse = logsumexp(logits) if self.with_lse else logits.new_empty(0)
         return ce, lse

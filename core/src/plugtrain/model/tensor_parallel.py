@@ -7,7 +7,8 @@ tp`` key/value heads, so grouped-query attention's groups stay whole on a rank, 
 parallel (each rank normalises ``seq_len / tp`` of the tokens, and the activations between the
 blocks stay split by position); the embedding is split by vocabulary rows, and the output
 projection column-wise with its logits left sharded over the vocabulary, for
-``loss_parallel``'s cross-entropy (no rank ever holds the full ``vocab`` logits). The
+``loss_parallel``'s cross-entropy (no rank ever holds the full ``vocab`` logits; the loss in
+chunks, ``model.loss.ChunkedLoss``, keeps them sharded chunk by chunk). The
 forwards run unchanged: they read their local head counts from the projections' outputs.
 """
 
@@ -32,10 +33,9 @@ from plugtrain.model.transformer import Transformer, cross_entropy
 __all__ = ["check_tensor_parallel", "parallel_cross_entropy", "parallelize", "plan"]
 
 
-def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int, loss_chunks: int = 1) -> None:
+def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int) -> None:
     """Refuse, in one line naming the values, a model that ``tp`` ranks cannot split evenly;
-    document masking, whose per-token positions no TP run has checked yet; or a loss in chunks
-    (``loss_chunks``), which does not split sequence-parallel tokens."""
+    or document masking, whose per-token positions no TP run has checked yet."""
     if tp == 1:
         return
     sizes = {
@@ -60,12 +60,6 @@ def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int, loss_chunks: i
         raise ConfigError(
             f'parallelism.tp = {tp} with model.attention = "document" is not tested yet: set '
             'model.attention = "causal", or parallelism.tp = 1'
-        )
-    if loss_chunks > 1:
-        raise ConfigError(
-            f"parallelism.tp = {tp} with model.loss_chunks = {loss_chunks} is not supported: "
-            "set model.loss_chunks = 1 (the vocabulary-sharded logits already split the loss's "
-            "memory by tp)"
         )
 
 

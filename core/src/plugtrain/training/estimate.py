@@ -71,7 +71,7 @@ def estimate_run(
     if vocab_size is None and config.model.flavor != "hf":
         whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
     args = config.model.model_args(vocab_size, train.seq_len)
-    check_tensor_parallel(args, par.tp, train.seq_len, config.model.loss_chunks)
+    check_tensor_parallel(args, par.tp, train.seq_len)
     estimate = estimate_memory(
         args,
         world_size=world_size,

@@ -173,9 +173,7 @@ class Trainer:
             DevicePrefetcher(loader, self.device), self.control.skip_ranges
         )
         self.model_args = config.model.model_args(self.tokenizer.vocab_size, train_cfg.seq_len)
-        check_tensor_parallel(
-            self.model_args, self.world.tp, train_cfg.seq_len, config.model.loss_chunks
-        )
+        check_tensor_parallel(self.model_args, self.world.tp, train_cfg.seq_len)
         # Under tensor parallelism the logits are sharded over the vocabulary: the loss (and its
         # backward) is computed on the shards, inside loss_parallel.
         self.loss_parallel = loss_parallel if self.world.tp > 1 else contextlib.nullcontext

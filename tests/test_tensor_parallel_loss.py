@@ -1,0 +1,140 @@
+"""The loss path under tensor parallelism: the loss in chunks (with z-loss's log-sum-exp) on
+vocabulary-sharded logits, against the unchunked TP loss and 1 process.
+
+Every multi-process check shares one 2-process (TP 2) launch, which computes in-process on
+the tiny model and returns full tensors; the 1-process references are computed here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import loss_parallel
+
+from plugtrain.distributed import init_world
+from plugtrain.model import (
+    FLAVORS,
+    ChunkedLoss,
+    Transformer,
+    build_model,
+    cross_entropy,
+    logsumexp,
+    parallel_cross_entropy,
+)
+from plugtrain.observability import CostCounter
+from plugtrain.plugin import full_tensor
+from plugtrain.testing import make_trainer, max_difference, metrics_by_step, run_distributed
+
+TINY = FLAVORS["tiny"]  # vocab 256: 128 a rank under TP 2
+CHUNKS = 3  # does not divide the 64 tokens
+RUN = (
+    "--model.loss_chunks", "2",
+    "--plugins.enabled", "z_loss", "--z_loss.weight", "0.1",
+    "--validation.interval", "3", "--validation.steps", "1",
+)  # fmt: skip
+"""A run with the loss in chunks and z-loss, validated at its last step."""
+COMPARED = ("loss", "z_loss/z_loss", "validation_loss")
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of 2 sequences of 32 tokens."""
+    tokens = torch.randint(0, TINY.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_and_grads(model: torch.nn.Module, chunks: int) -> dict[str, torch.Tensor]:
+    """The loss, the log-sum-exp and a z-loss-like term's, and the full gradients of their
+    sum, unchunked (``chunks`` 1: the trainer's TP loss, or the plain one) or in chunks."""
+    inputs, targets = batch()
+    if chunks == 1:
+        logits = model(inputs)
+        plain = not hasattr(logits, "placements")
+        loss = (cross_entropy if plain else parallel_cross_entropy)(logits, targets)
+        lse = logsumexp(logits.float())
+        z = full_tensor(lse.square().mean())  # as z_loss's term reaches the trainer
+        lse = full_tensor(lse)
+    else:
+        loss, lse = model(inputs, head=ChunkedLoss(targets, chunks, with_lse=True))
+        z = lse.square().mean()
+    (loss + z).backward()
+    grads = {name: full_tensor(p.grad).clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return {"loss": loss.detach(), "lse": lse.detach(), **grads}
+
+
+def head_collectives(model: torch.nn.Module) -> dict[str, int]:
+    """The collectives of the chunked loss's forward, by name, on the final norm's output."""
+    inputs, targets = batch()
+    hidden, project = model(inputs, head=lambda h, p: (h, p))
+    with CostCounter() as counter:
+        ChunkedLoss(targets, CHUNKS, with_lse=True)(hidden, project)
+    return dict(counter.collectives)
+
+
+def on_two_ranks(base: str) -> dict:
+    """On each of 2 ranks (TP 2): the loss path's numbers, unchunked and in chunks; the chunked
+    loss's collectives; and ``RUN`` trained."""
+    make_trainer(Path(base) / "tp2", *RUN, "--parallelism.tp", "2").run()
+    world = init_world("cpu", tp=2)
+    model = build_model(
+        TINY, world.mesh, torch.float32, torch.float32, world.device, 0, tp_mesh=world.tp_mesh
+    )
+    with loss_parallel():
+        return {
+            "whole": loss_and_grads(model, 1),
+            "chunked": loss_and_grads(model, CHUNKS),
+            "collectives": head_collectives(model),
+        }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    base: Path = tmp_path_factory.mktemp("tp_loss")
+    model = Transformer(TINY)
+    model.init_weights(0)
+    one = {"whole": loss_and_grads(model, 1)}
+    make_trainer(base / "one", *RUN, "--model.loss_chunks", "1").run()
+    ranks = run_distributed(on_two_ranks, 2, str(base))
+    metrics = {name: metrics_by_step(base / name) for name in ("one", "tp2")}
+    return {"one": one, "ranks": ranks, "metrics": metrics}
+
+
+def relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reference", ["tp_whole", "one"])
+def test_the_chunked_loss_under_tp_is_the_unchunked_tp_loss_and_one_process(runs, reference):
+    ranks = runs["ranks"]
+    expected = ranks[0]["whole"] if reference == "tp_whole" else runs["one"]["whole"]
+    for rank in ranks:
+        chunked = rank["chunked"]
+        assert chunked.keys() == expected.keys()
+        worst = max(relative(chunked[k], expected[k]) for k in expected)
+        print(f"chunked TP vs {reference}: {worst:.3g} relative")
+        assert worst < 1e-6, worst
+    # Both ranks hold the same replicated loss.
+    assert torch.equal(ranks[0]["chunked"]["loss"], ranks[1]["chunked"]["loss"])
+
+
+@pytest.mark.slow
+def test_the_chunked_loss_under_tp_never_gathers_the_logits(runs):
+    """One all-gather, of the final norm's positions ([tokens, dim]); the vocabulary's
+    reductions are all-reduces of one value a token (the max and the sum of the log-sum-exp,
+    loss_parallel's three)."""
+    for rank in runs["ranks"]:
+        collectives = rank["collectives"]
+        assert collectives.pop("_c10d_functional.all_gather_into_tensor") == 1, collectives
+        assert set(collectives) == {"_c10d_functional.all_reduce"}, collectives
+
+
+@pytest.mark.slow
+def test_a_chunked_z_loss_run_under_tp_trains_as_the_unchunked_one_process_run(runs):
+    m = runs["metrics"]
+    assert all(k in m["tp2"][3] for k in COMPARED), sorted(m["tp2"][3])
+    difference = max_difference(m["tp2"], m["one"], range(1, 4), COMPARED)
+    print(f"TP 2 chunked vs 1 process unchunked: max difference {difference:.3g}")
+    assert difference < 1e-5, difference
