@@ -19,10 +19,9 @@ from plugtrain.data.chat import ChatOptions, ChatTemplate, encode_conversation
 from plugtrain.data.prepare import prepare
 from plugtrain.data.store import TokenStore, document_offsets
 from plugtrain.data.tokenizer import Tokenizer
-from plugtrain.errors import ConfigError, DataError
+from plugtrain.errors import DataError
 from plugtrain.model import FLAVORS, Transformer, cross_entropy
 from plugtrain.testing import SAMPLE, document_spans, make_trainer
-from plugtrain.training.loss_mean import check_masked_loss_parallelism
 
 CHAT = SAMPLE / "chat_validation.jsonl"
 TOKENIZER = SAMPLE / "tokenizer.json"
@@ -185,13 +184,3 @@ def test_chat_training_data_resolves_auto_attention_to_document_masking() -> Non
             expected == "document",
         )
     assert JobConfig().model.attention == "auto"  # unresolved until the data is read
-
-
-def test_chat_loss_is_refused_under_tensor_parallelism_naming_the_fix() -> None:
-    check_masked_loss_parallelism(1, "data.train_path 'chat.jsonl'")
-    with pytest.raises(ConfigError) as error:
-        check_masked_loss_parallelism(2, "data.train_path 'chat.jsonl'")
-    assert str(error.value) == (
-        "data.train_path 'chat.jsonl' is chat data, whose assistant-only loss does not run under "
-        "tensor parallelism yet (parallelism.tp = 2): set parallelism.tp = 1 (FSDP or HSDP alone)"
-    )

@@ -1,5 +1,6 @@
 """The loss path under tensor parallelism: the loss in chunks (with z-loss's log-sum-exp) on
-vocabulary-sharded logits, against the unchunked TP loss and 1 process.
+vocabulary-sharded logits, and chat data's summed loss over its counted targets, against the
+unchunked TP loss and 1 process.
 
 Every multi-process check shares one 2-process (TP 2) launch, which computes in-process on
 the tiny model and returns full tensors; the 1-process references are computed here.
@@ -13,6 +14,7 @@ import pytest
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
+from plugtrain.data import IGNORE_INDEX
 from plugtrain.distributed import init_world
 from plugtrain.model import (
     FLAVORS,
@@ -22,10 +24,12 @@ from plugtrain.model import (
     cross_entropy,
     logsumexp,
     parallel_cross_entropy,
+    parallel_summed_cross_entropy,
+    summed_cross_entropy,
 )
 from plugtrain.observability import CostCounter
 from plugtrain.plugin import full_tensor
-from plugtrain.testing import make_trainer, max_difference, metrics_by_step, run_distributed
+from plugtrain.testing import SAMPLE, make_trainer, max_difference, metrics_by_step, run_distributed
 
 TINY = FLAVORS["tiny"]  # vocab 256: 128 a rank under TP 2
 CHUNKS = 3  # does not divide the 64 tokens
@@ -35,28 +39,49 @@ RUN = (
     "--validation.interval", "3", "--validation.steps", "1",
 )  # fmt: skip
 """A run with the loss in chunks and z-loss, validated at its last step."""
+CHAT = (
+    "--data.train_path", str(SAMPLE / "chat_validation.jsonl"),
+    "--data.validation_path", str(SAMPLE / "chat_validation.jsonl"),
+    "--model.attention", "causal",
+)  # fmt: skip
+"""``RUN`` on chat data: the assistant-only loss."""
 COMPARED = ("loss", "z_loss/z_loss", "validation_loss")
+LAYOUTS = {"tp2": ("--parallelism.tp", "2"), "one": ("--model.loss_chunks", "1")}
+"""The runs of ``RUN`` compared: TP 2 in chunks, and 1 process unchunked."""
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets of 2 sequences of 32 tokens."""
+def batch(masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of 2 sequences of 32 tokens; ``masked``: the first 20 targets of
+    each not counted, as a chat loss mask leaves a prompt's."""
     tokens = torch.randint(0, TINY.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-    return tokens[:, :-1], tokens[:, 1:]
+    targets = tokens[:, 1:].clone()
+    if masked:
+        targets[:, :20] = IGNORE_INDEX
+    return tokens[:, :-1], targets
 
 
-def loss_and_grads(model: torch.nn.Module, chunks: int) -> dict[str, torch.Tensor]:
-    """The loss, the log-sum-exp and a z-loss-like term's, and the full gradients of their
-    sum, unchunked (``chunks`` 1: the trainer's TP loss, or the plain one) or in chunks."""
-    inputs, targets = batch()
+def loss_and_grads(
+    model: torch.nn.Module, chunks: int, masked: bool = False
+) -> dict[str, torch.Tensor]:
+    """The loss (``masked``: summed over the counted targets), the log-sum-exp and a
+    z-loss-like term's, and the full gradients of their sum, unchunked (``chunks`` 1: the
+    trainer's TP loss, or the plain one) or in chunks."""
+    inputs, targets = batch(masked)
     if chunks == 1:
         logits = model(inputs)
         plain = not hasattr(logits, "placements")
-        loss = (cross_entropy if plain else parallel_cross_entropy)(logits, targets)
+        if masked:
+            loss = (summed_cross_entropy if plain else parallel_summed_cross_entropy)(
+                logits, targets
+            )
+        else:
+            loss = (cross_entropy if plain else parallel_cross_entropy)(logits, targets)
         lse = logsumexp(logits.float())
         z = full_tensor(lse.square().mean())  # as z_loss's term reaches the trainer
         lse = full_tensor(lse)
     else:
-        loss, lse = model(inputs, head=ChunkedLoss(targets, chunks, with_lse=True))
+        head = ChunkedLoss(targets, chunks, with_lse=True, summed=masked)
+        loss, lse = model(inputs, head=head)
         z = lse.square().mean()
     (loss + z).backward()
     grads = {name: full_tensor(p.grad).clone() for name, p in model.named_parameters()}
@@ -74,9 +99,9 @@ def head_collectives(model: torch.nn.Module) -> dict[str, int]:
 
 
 def on_two_ranks(base: str) -> dict:
-    """On each of 2 ranks (TP 2): the loss path's numbers, unchunked and in chunks; the chunked
-    loss's collectives; and ``RUN`` trained."""
-    make_trainer(Path(base) / "tp2", *RUN, "--parallelism.tp", "2").run()
+    """On each of 2 ranks (TP 2): the loss path's numbers, unchunked and in chunks, of text and
+    masked targets; the chunked loss's collectives; and ``RUN`` trained, on text and chat."""
+    train(Path(base), "tp2")
     world = init_world("cpu", tp=2)
     model = build_model(
         TINY, world.mesh, torch.float32, torch.float32, world.device, 0, tp_mesh=world.tp_mesh
@@ -85,8 +110,16 @@ def on_two_ranks(base: str) -> dict:
         return {
             "whole": loss_and_grads(model, 1),
             "chunked": loss_and_grads(model, CHUNKS),
+            "masked_whole": loss_and_grads(model, 1, masked=True),
+            "masked_chunked": loss_and_grads(model, CHUNKS, masked=True),
             "collectives": head_collectives(model),
         }
+
+
+def train(base: Path, layout: str) -> None:
+    """``RUN`` in ``layout`` (``LAYOUTS``), on text and on chat data."""
+    make_trainer(base / layout, *RUN, *LAYOUTS[layout]).run()
+    make_trainer(base / f"chat_{layout}", *RUN, *CHAT, *LAYOUTS[layout]).run()
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +127,11 @@ def runs(tmp_path_factory) -> dict:
     base: Path = tmp_path_factory.mktemp("tp_loss")
     model = Transformer(TINY)
     model.init_weights(0)
-    one = {"whole": loss_and_grads(model, 1)}
-    make_trainer(base / "one", *RUN, "--model.loss_chunks", "1").run()
+    one = {"whole": loss_and_grads(model, 1), "masked": loss_and_grads(model, 1, masked=True)}
+    train(base, "one")
     ranks = run_distributed(on_two_ranks, 2, str(base))
-    metrics = {name: metrics_by_step(base / name) for name in ("one", "tp2")}
+    names = ("one", "tp2", "chat_one", "chat_tp2")
+    metrics = {name: metrics_by_step(base / name) for name in names}
     return {"one": one, "ranks": ranks, "metrics": metrics}
 
 
@@ -106,18 +140,24 @@ def relative(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("reference", ["tp_whole", "one"])
-def test_the_chunked_loss_under_tp_is_the_unchunked_tp_loss_and_one_process(runs, reference):
-    ranks = runs["ranks"]
-    expected = ranks[0]["whole"] if reference == "tp_whole" else runs["one"]["whole"]
+def test_the_chunked_loss_under_tp_is_the_unchunked_tp_loss_and_one_process(
+    runs, reference, masked
+):
+    ranks, prefix = runs["ranks"], "masked_" if masked else ""
+    if reference == "tp_whole":
+        expected = ranks[0][f"{prefix}whole"]
+    else:
+        expected = runs["one"]["masked" if masked else "whole"]
     for rank in ranks:
-        chunked = rank["chunked"]
+        chunked = rank[f"{prefix}chunked"]
         assert chunked.keys() == expected.keys()
         worst = max(relative(chunked[k], expected[k]) for k in expected)
-        print(f"chunked TP vs {reference}: {worst:.3g} relative")
+        print(f"chunked TP vs {reference}{' (masked)' * masked}: {worst:.3g} relative")
         assert worst < 1e-6, worst
     # Both ranks hold the same replicated loss.
-    assert torch.equal(ranks[0]["chunked"]["loss"], ranks[1]["chunked"]["loss"])
+    assert torch.equal(ranks[0][f"{prefix}chunked"]["loss"], ranks[1][f"{prefix}chunked"]["loss"])
 
 
 @pytest.mark.slow
@@ -132,9 +172,12 @@ def test_the_chunked_loss_under_tp_never_gathers_the_logits(runs):
 
 
 @pytest.mark.slow
-def test_a_chunked_z_loss_run_under_tp_trains_as_the_unchunked_one_process_run(runs):
-    m = runs["metrics"]
-    assert all(k in m["tp2"][3] for k in COMPARED), sorted(m["tp2"][3])
-    difference = max_difference(m["tp2"], m["one"], range(1, 4), COMPARED)
-    print(f"TP 2 chunked vs 1 process unchunked: max difference {difference:.3g}")
+@pytest.mark.parametrize("data", ["", "chat_"])
+def test_a_chunked_z_loss_run_under_tp_trains_as_the_unchunked_one_process_run(runs, data):
+    """On chat data too: the summed loss over the counted targets on sharded logits, and the
+    step's count over the data-parallel ranks (not each TP rank's copy of the batch)."""
+    tp2, one = runs["metrics"][f"{data}tp2"], runs["metrics"][f"{data}one"]
+    assert all(k in tp2[3] for k in COMPARED), sorted(tp2[3])
+    difference = max_difference(tp2, one, range(1, 4), COMPARED)
+    print(f"{data}TP 2 chunked vs 1 process unchunked: max difference {difference:.3g}")
     assert difference < 1e-5, difference

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from plugtrain.model.sharding import reshard as reshard
     from plugtrain.model.tensor_parallel import check_tensor_parallel as check_tensor_parallel
     from plugtrain.model.tensor_parallel import parallel_cross_entropy as parallel_cross_entropy
+    from plugtrain.model.tensor_parallel import (
+        parallel_summed_cross_entropy as parallel_summed_cross_entropy,
+    )
     from plugtrain.model.transformer import KVCache as KVCache
     from plugtrain.model.transformer import Transformer as Transformer
     from plugtrain.model.transformer import cross_entropy as cross_entropy

@@ -28,9 +28,15 @@ from torch.distributed.tensor.parallel import (
 
 from plugtrain.errors import ConfigError
 from plugtrain.model.args import ModelArgs
-from plugtrain.model.transformer import Transformer, cross_entropy
+from plugtrain.model.transformer import Transformer, cross_entropy, summed_cross_entropy
 
-__all__ = ["check_tensor_parallel", "parallel_cross_entropy", "parallelize", "plan"]
+__all__ = [
+    "check_tensor_parallel",
+    "parallel_cross_entropy",
+    "parallel_summed_cross_entropy",
+    "parallelize",
+    "plan",
+]
 
 
 def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int) -> None:
@@ -109,3 +115,9 @@ def parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch
     loss tensor every rank of the ``tp`` group holds. Call it, and the backward through it,
     inside ``torch.distributed.tensor.parallel.loss_parallel()``."""
     return cross_entropy(logits, targets).to_local()  # replicated: the whole loss, no collective
+
+
+def parallel_summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`summed_cross_entropy` (chat data's loss over its counted targets) of logits
+    sharded over the vocabulary, as :func:`parallel_cross_entropy` returns the mean."""
+    return summed_cross_entropy(logits, targets).to_local()

@@ -56,6 +56,7 @@ from plugtrain.model import (
     check_tensor_parallel,
     cross_entropy,
     parallel_cross_entropy,
+    parallel_summed_cross_entropy,
     replica_sync,
     reshard,
     summed_cross_entropy,
@@ -80,10 +81,11 @@ from plugtrain.plugin import (
     SetupContext,
     StepContext,
     ValidationContext,
+    data_parallel_group,
 )
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.estimate import estimate_run
-from plugtrain.training.loss_mean import StepLoss, check_masked_loss_parallelism
+from plugtrain.training.loss_mean import StepLoss
 from plugtrain.training.loss_terms import LossTerms
 from plugtrain.training.optim import (
     LRSchedule,
@@ -178,6 +180,10 @@ class Trainer:
         # backward) is computed on the shards, inside loss_parallel.
         self.loss_parallel = loss_parallel if self.world.tp > 1 else contextlib.nullcontext
         self.cross_entropy = parallel_cross_entropy if self.world.tp > 1 else cross_entropy
+        self.summed_cross_entropy = (
+            parallel_summed_cross_entropy if self.world.tp > 1 else summed_cross_entropy
+        )
+        """Chat data's loss: the sum over the counted targets (``loss_mean`` normalises it)."""
         self.model = build_model(
             self.model_args,
             self.world.mesh,
@@ -316,8 +322,6 @@ class Trainer:
         """``store``'s samples, with the documents, positions and loss mask the run uses."""
         data = self.config.data
         masked = store.chat is not None and data.chat_loss == "assistant"
-        if masked:
-            check_masked_loss_parallelism(self.world.tp, f"{key} '{path}'")
         return PackedDataset(
             store,
             self.config.training.seq_len,
@@ -359,7 +363,7 @@ class Trainer:
             model=model,
             blocks=tuple(model.layers),
             norm=model.norm,
-            loss_fn=summed_cross_entropy if self.train_data.loss_mask else self.cross_entropy,
+            loss_fn=self.summed_cross_entropy if self.train_data.loss_mask else self.cross_entropy,
             device=self.device,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
@@ -370,9 +374,10 @@ class Trainer:
         self.hook.wrap_model(ctx=ctx)
         self.hook.compile_model(ctx=ctx)
         self.loss_fn = ctx.loss_fn
-        self.step_loss = StepLoss(
-            masked=self.train_data.loss_mask, world_size=self.world.world_size
-        )
+        masked = self.train_data.loss_mask
+        # The group only where it is used: on a 2-D mesh its first call creates it.
+        group = data_parallel_group(self.world.mesh) if masked else None
+        self.step_loss = StepLoss(masked=masked, group=group)
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, str]:
         """The optimizer one plugin builds (``build_optimizer``), else the core's fused AdamW,
@@ -664,7 +669,7 @@ class Trainer:
             # The training forward's masking, positions and chunks: the same loss for the text.
             with self.loss_parallel():
                 masked = self.val_data.loss_mask
-                loss_fn = summed_cross_entropy if masked else self.cross_entropy
+                loss_fn = self.summed_cross_entropy if masked else self.cross_entropy
                 loss = self._forward(microbatch, loss_fn, summed=masked)[1]
             if masked:  # the loss over the counted tokens, as in training
                 counted = targets != IGNORE_INDEX
