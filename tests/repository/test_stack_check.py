@@ -95,7 +95,9 @@ def test_a_plugin_commit_importing_core_internals_fails_the_default_selection(
     repository_copy, git, tmp_path, capfd
 ):
     """The default selection is the whole fast suite for every commit, so the architecture
-    test, which keeps plugins to the plugin API, runs on a commit that changes one plugin."""
+    test, which keeps plugins to the plugin API, runs on a commit that changes one plugin.
+    Serially (``-n 0``: the same tests, in file order, up to the first failure): workers would
+    each collect the whole suite again."""
     copy = tmp_path / "copy"
     repository_copy(copy)  # every plugin: the core's tests import some
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "Import"]):
@@ -107,7 +109,7 @@ def test_a_plugin_commit_importing_core_internals_fails_the_default_selection(
     )
     git(copy, "add", "-A")
     git(copy, "-c", "user.name=T", "-c", "user.email=t@example.com", "commit", "-q", "-m", "Leak")
-    args = stack_check.DEFAULT_PYTEST_ARGS
+    args = [*stack_check.DEFAULT_PYTEST_ARGS, "-n", "0"]
     assert stack_check.check_stack(copy, "HEAD~1", "HEAD", args, use_cache=False) == 1
     out = capfd.readouterr().out
     assert "FAILED at [1/1]" in out and "'Leak': tests failed" in out
