@@ -240,10 +240,3 @@ def test_tied_embeddings_are_refused_under_tensor_parallelism():
     with pytest.raises(ConfigError, match="tie_embeddings = true is not supported yet"):
         check_tensor_parallel(dataclasses.replace(TINY, tie_embeddings=True), 2, 32)
     check_tensor_parallel(dataclasses.replace(TINY, tie_embeddings=True), 1, 31)  # no TP: fine
-
-
-def test_document_masking_is_refused_under_tensor_parallelism():
-    document = dataclasses.replace(TINY, attention="document")
-    with pytest.raises(ConfigError, match=r'^parallelism.tp = 2 with model.attention = "document"'):
-        check_tensor_parallel(document, 2, 32)
-    check_tensor_parallel(document, 1, 32)  # no TP: fine

@@ -1,6 +1,6 @@
 """The loss path under tensor parallelism: the loss in chunks (with z-loss's log-sum-exp) on
-vocabulary-sharded logits, and chat data's summed loss over its counted targets, against the
-unchunked TP loss and 1 process.
+vocabulary-sharded logits, chat data's summed loss over its counted targets, and document
+masking with per-document positions, against the unchunked TP loss and 1 process.
 
 Every multi-process check shares one 2-process (TP 2) launch, which computes in-process on
 the tiny model and returns full tensors; the 1-process references are computed here.
@@ -8,6 +8,7 @@ the tiny model and returns full tensors; the 1-process references are computed h
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,12 @@ RUN = (
 CHAT = (
     "--data.train_path", str(SAMPLE / "chat_validation.jsonl"),
     "--data.validation_path", str(SAMPLE / "chat_validation.jsonl"),
-    "--model.attention", "causal",
 )  # fmt: skip
-"""``RUN`` on chat data: the assistant-only loss."""
+"""``RUN`` on chat data: the assistant-only loss, under document masking and per-document
+positions (what chat data defaults to)."""
+DOCUMENT = dataclasses.replace(TINY, attention="document")
+LENGTHS = ((10, 22), (5, 15, 12))
+"""Each row's documents, by length."""
 COMPARED = ("loss", "z_loss/z_loss", "validation_loss")
 LAYOUTS = {"tp2": ("--parallelism.tp", "2"), "one": ("--model.loss_chunks", "1")}
 """The runs of ``RUN`` compared: TP 2 in chunks, and 1 process unchunked."""
@@ -60,15 +64,24 @@ def batch(masked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], targets
 
 
+def packed() -> dict[str, torch.Tensor]:
+    """``Transformer.forward``'s documents and positions of ``LENGTHS``' rows."""
+    rows = [[(d, p) for d, n in enumerate(row) for p in range(n)] for row in LENGTHS]
+    documents, positions = torch.tensor(rows, dtype=torch.int32).unbind(-1)
+    return {"documents": documents, "positions": positions}
+
+
 def loss_and_grads(
     model: torch.nn.Module, chunks: int, masked: bool = False
 ) -> dict[str, torch.Tensor]:
     """The loss (``masked``: summed over the counted targets), the log-sum-exp and a
     z-loss-like term's, and the full gradients of their sum, unchunked (``chunks`` 1: the
-    trainer's TP loss, or the plain one) or in chunks."""
+    trainer's TP loss, or the plain one) or in chunks; a document-masking ``model`` reads
+    :func:`packed`'s documents."""
     inputs, targets = batch(masked)
+    extra = packed() if model.args.attention == "document" else {}
     if chunks == 1:
-        logits = model(inputs)
+        logits = model(inputs, **extra)
         plain = not hasattr(logits, "placements")
         if masked:
             loss = (summed_cross_entropy if plain else parallel_summed_cross_entropy)(
@@ -81,7 +94,7 @@ def loss_and_grads(
         lse = full_tensor(lse)
     else:
         head = ChunkedLoss(targets, chunks, with_lse=True, summed=masked)
-        loss, lse = model(inputs, head=head)
+        loss, lse = model(inputs, **extra, head=head)
         z = lse.square().mean()
     (loss + z).backward()
     grads = {name: full_tensor(p.grad).clone() for name, p in model.named_parameters()}
@@ -100,11 +113,15 @@ def head_collectives(model: torch.nn.Module) -> dict[str, int]:
 
 def on_two_ranks(base: str) -> dict:
     """On each of 2 ranks (TP 2): the loss path's numbers, unchunked and in chunks, of text and
-    masked targets; the chunked loss's collectives; and ``RUN`` trained, on text and chat."""
+    masked targets, and under document masking; the chunked loss's collectives; and ``RUN``
+    trained, on text and chat."""
     train(Path(base), "tp2")
     world = init_world("cpu", tp=2)
-    model = build_model(
-        TINY, world.mesh, torch.float32, torch.float32, world.device, 0, tp_mesh=world.tp_mesh
+    model, document = (
+        build_model(
+            args, world.mesh, torch.float32, torch.float32, world.device, 0, tp_mesh=world.tp_mesh
+        )
+        for args in (TINY, DOCUMENT)
     )
     with loss_parallel():
         return {
@@ -112,6 +129,7 @@ def on_two_ranks(base: str) -> dict:
             "chunked": loss_and_grads(model, CHUNKS),
             "masked_whole": loss_and_grads(model, 1, masked=True),
             "masked_chunked": loss_and_grads(model, CHUNKS, masked=True),
+            "document": loss_and_grads(document, 1),
             "collectives": head_collectives(model),
         }
 
@@ -125,9 +143,14 @@ def train(base: Path, layout: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     base: Path = tmp_path_factory.mktemp("tp_loss")
-    model = Transformer(TINY)
+    model, document = Transformer(TINY), Transformer(DOCUMENT)
     model.init_weights(0)
-    one = {"whole": loss_and_grads(model, 1), "masked": loss_and_grads(model, 1, masked=True)}
+    document.init_weights(0)
+    one = {
+        "whole": loss_and_grads(model, 1),
+        "masked": loss_and_grads(model, 1, masked=True),
+        "document": loss_and_grads(document, 1),
+    }
     train(base, "one")
     ranks = run_distributed(on_two_ranks, 2, str(base))
     names = ("one", "tp2", "chat_one", "chat_tp2")
@@ -181,3 +204,15 @@ def test_a_chunked_z_loss_run_under_tp_trains_as_the_unchunked_one_process_run(r
     difference = max_difference(tp2, one, range(1, 4), COMPARED)
     print(f"{data}TP 2 chunked vs 1 process unchunked: max difference {difference:.3g}")
     assert difference < 1e-5, difference
+
+
+@pytest.mark.slow
+def test_document_masking_under_tp_is_one_process_document_masking(runs):
+    """Heads split over the ranks, the mask and positions per token: the same loss, log-sum-exp
+    and gradients within fp32 rounding; and not those of causal attention (the mask acts)."""
+    expected, causal = runs["one"]["document"], runs["one"]["whole"]
+    for rank in runs["ranks"]:
+        worst = max(relative(rank["document"][k], expected[k]) for k in expected)
+        print(f"document masking, TP 2 vs 1 process: {worst:.3g} relative")
+        assert worst < 1e-6, worst
+    assert max(relative(expected[k], causal[k]) for k in expected) > 0.1

@@ -40,8 +40,10 @@ __all__ = [
 
 
 def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int) -> None:
-    """Refuse, in one line naming the values, a model that ``tp`` ranks cannot split evenly;
-    or document masking, whose per-token positions no TP run has checked yet."""
+    """Refuse, in one line naming the values, a model that ``tp`` ranks cannot split evenly.
+
+    Document masking needs nothing more: its mask is per token, built once per forward from
+    the whole positions and shared by each rank's heads, as RoPE's per-token positions are."""
     if tp == 1:
         return
     sizes = {
@@ -61,11 +63,6 @@ def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int) -> None:
         raise ConfigError(
             f"parallelism.tp = {tp} with model.tie_embeddings = true is not supported yet: "
             "untie the embeddings, or set parallelism.tp = 1"
-        )
-    if args.attention != "sdpa":
-        raise ConfigError(
-            f'parallelism.tp = {tp} with model.attention = "document" is not tested yet: set '
-            'model.attention = "causal", or parallelism.tp = 1'
         )
 
 
