@@ -1,6 +1,6 @@
 """Tensor parallelism (``parallelism.tp``): TP 2 on 2 processes and TP 2 x FSDP 2 on 4 against
-1 process with the shipped plugins in fp16, an inf on one rank, checkpoints across the
-layouts, and refused degrees.
+1 process with the shipped plugins in fp16, an inf on one rank, checkpoints resumed across the
+layouts (with and without TP, on 1, 2 and 4 processes), and refused degrees.
 
 The multi-process checks share one 2-process and one 4-process launch through a module-scoped
 fixture.
@@ -37,9 +37,10 @@ from plugtrain.testing import (
 
 STEPS, SAVED, INF_STEP = 10, 8, 4
 TP2 = ("--parallelism.tp", "2")
+PLUGINS = "grad_clip,grad_scaler,spike_guard,ema,z_loss,activation_checkpointing"
 RUN = (
     "--training.mixed_precision_param", "float16",
-    "--plugins.enabled", "grad_clip,grad_scaler,spike_guard,ema,z_loss,activation_checkpointing",
+    "--plugins.enabled", PLUGINS,
     "--grad_clip.max_norm", "0.5",
     "--grad_scaler.init_scale", "1024",
     "--spike_guard.warmup_steps", "3",
@@ -63,8 +64,9 @@ COMPARED = (
 TOLERANCE = 1e-4
 """Measured max differences (fp16 compute, fp32 reduce) against 1 process over 10 steps: TP 2
 6.1e-5 (the losses 4.5e-5, the clipped norms 2.1e-5), TP 2 x FSDP 2 6.1e-5 (4.2e-5, 1.9e-5);
-resumed runs against the run they continue 1.8e-5 (TP 2 to 1 process), 2.0e-5 (the other
-way)."""
+resumed runs against the run they continue (``RESUMES``) 1.8e-5 (TP 2 to 1 process), 2.0e-5
+(1 process to TP 2), 2.4e-5 (TP 2 x FSDP 2 to 1 process), 2.7e-5 (to FSDP 2), 2.3e-5 (to FSDP
+4), 1.4e-5 (1 process to TP 2 x FSDP 2)."""
 
 
 def train(folder: Path, *args: str, inf_rank: int | None = None) -> int:
@@ -82,32 +84,57 @@ def copy_checkpoint(written: Path, resumed: Path) -> None:
     shutil.copytree(written / step, resumed / step)
 
 
-def two_ranks(base: str) -> dict:
-    """On each of 2 ranks: TP 2 with an inf in rank 1's gradients; then the 1-process run's
-    checkpoint resumed under TP 2."""
-    root = Path(base)
-    skipped = train(root / "tp2", *TP2, inf_rank=1)
-    if dist.get_rank() == 0:
-        copy_checkpoint(root / "one", root / "one_to_tp2")
-    dist.barrier()
-    train(root / "one_to_tp2", *TP2)
-    return {"skipped": skipped}
+def resume(root: Path, written: str, resumed: str, *args: str) -> None:
+    """Resume run ``written``'s step-``SAVED`` checkpoint in the new run ``resumed`` (``RUN`` +
+    ``args``): steps ``SAVED + 1`` to ``STEPS``. On every rank of the launch, or in 1 process."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        copy_checkpoint(root / written, root / resumed)
+    if dist.is_initialized():
+        dist.barrier()
+    train(root / resumed, *args)
 
 
 def four_ranks(base: str) -> int:
-    """On each of 4 ranks: TP 2 x FSDP 2 with an inf in rank 3's gradients."""
-    return train(Path(base) / "tp2_fsdp2", *TP2, inf_rank=3)
+    """On each of 4 ranks: TP 2 x FSDP 2 with an inf in rank 3's gradients; the 1-process
+    checkpoint resumed under TP 2 x FSDP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 4 (no
+    TP). This rank's skipped steps."""
+    root = Path(base)
+    skipped = train(root / "tp2_fsdp2", *TP2, inf_rank=3)
+    resume(root, "one", "one_to_tp2_fsdp2", *TP2)
+    resume(root, "tp2_fsdp2", "tp2_fsdp2_to_fsdp4")
+    return skipped
+
+
+def two_ranks(base: str) -> dict:
+    """On each of 2 ranks: TP 2 with an inf in rank 1's gradients; the 1-process checkpoint
+    resumed under TP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 2 (no TP)."""
+    root = Path(base)
+    skipped = train(root / "tp2", *TP2, inf_rank=1)
+    resume(root, "one", "one_to_tp2", *TP2)
+    resume(root, "tp2_fsdp2", "tp2_fsdp2_to_fsdp2")
+    return {"skipped": skipped}
+
+
+RESUMES = {
+    "tp2_to_one": "tp2",
+    "one_to_tp2": "one",
+    "tp2_fsdp2_to_one": "tp2_fsdp2",
+    "tp2_fsdp2_to_fsdp2": "tp2_fsdp2",
+    "tp2_fsdp2_to_fsdp4": "tp2_fsdp2",
+    "one_to_tp2_fsdp2": "one",
+}
+"""Each resumed run, and the run whose step-``SAVED`` checkpoint it continues."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("tp")
     one = train(base / "one", inf_rank=0)
+    four = run_distributed(four_ranks, 4, str(base))  # first: the 2-process launch resumes it
     ranks = run_distributed(two_ranks, 2, str(base))
-    four = run_distributed(four_ranks, 4, str(base))
-    copy_checkpoint(base / "tp2", base / "tp2_to_one")
-    train(base / "tp2_to_one")
-    names = ("one", "tp2", "tp2_fsdp2", "one_to_tp2", "tp2_to_one")
+    resume(base, "tp2", "tp2_to_one")
+    resume(base, "tp2_fsdp2", "tp2_fsdp2_to_one")
+    names = ("one", "tp2", "tp2_fsdp2", *RESUMES)
     return {
         "base": base,
         "one": one,
@@ -146,7 +173,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_all(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resumed, written", [("tp2_to_one", "tp2"), ("one_to_tp2", "one")])
+@pytest.mark.parametrize("resumed, written", RESUMES.items())
 def test_a_checkpoint_resumes_across_tensor_parallelism(runs, resumed, written):
     m = runs["metrics"]
     assert min(m[resumed]) == SAVED + 1  # resumed, not trained from scratch
