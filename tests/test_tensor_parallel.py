@@ -1,6 +1,7 @@
 """Tensor parallelism (``parallelism.tp``): TP 2 on 2 processes and TP 2 x FSDP 2 on 4 against
 1 process with the shipped plugins in fp16, an inf on one rank, checkpoints resumed across the
-layouts (with and without TP, on 1, 2 and 4 processes), and refused degrees.
+layouts (with and without TP, on 1, 2 and 4 processes), their Hugging Face exports read by
+transformers, and refused degrees.
 
 The multi-process checks share one 2-process and one 4-process launch through a module-scoped
 fixture.
@@ -23,6 +24,7 @@ from plugtrain_samples import Samples
 from plugtrain.checkpoint import export_checkpoint
 from plugtrain.distributed import mesh_shape
 from plugtrain.errors import ConfigError
+from plugtrain.generate import load as load_model
 from plugtrain.model import FLAVORS, check_tensor_parallel, to_hf
 from plugtrain.plugin import full_tensor
 from plugtrain.testing import (
@@ -34,6 +36,7 @@ from plugtrain.testing import (
     run_distributed,
     setup_context,
 )
+from plugtrain.testing.hf import hf_llama_logits
 
 STEPS, SAVED, INF_STEP = 10, 8, 4
 TP2 = ("--parallelism.tp", "2")
@@ -52,6 +55,9 @@ RUN = (
 """fp16 with every shipped plugin that reduces (grad_clip's norm, grad_scaler's inf flag,
 spike_guard's loss, z_loss's term of the vocabulary-sharded logits, ema's average) and
 activation checkpointing, on the tiny model (4 heads, 2 key/value heads: 2 and 1 per rank)."""
+EXPORTING = ("--plugins.enabled", f"{PLUGINS},hf_export", "--hf_export.every", "last")
+"""The plugins of ``RUN`` and hf_export, which writes the last checkpoint as a Hugging Face
+folder (``step-<STEPS>/hf/``)."""
 COMPARED = (
     "loss",
     "grad_clip/grad_norm",
@@ -95,11 +101,12 @@ def resume(root: Path, written: str, resumed: str, *args: str) -> None:
 
 
 def four_ranks(base: str) -> int:
-    """On each of 4 ranks: TP 2 x FSDP 2 with an inf in rank 3's gradients; the 1-process
-    checkpoint resumed under TP 2 x FSDP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 4 (no
-    TP). This rank's skipped steps."""
+    """On each of 4 ranks: TP 2 x FSDP 2 with an inf in rank 3's gradients, hf_export writing
+    its last checkpoint as a Hugging Face folder; the 1-process checkpoint resumed under TP 2 x
+    FSDP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 4 (no TP). This rank's skipped
+    steps."""
     root = Path(base)
-    skipped = train(root / "tp2_fsdp2", *TP2, inf_rank=3)
+    skipped = train(root / "tp2_fsdp2", *TP2, *EXPORTING, inf_rank=3)
     resume(root, "one", "one_to_tp2_fsdp2", *TP2)
     resume(root, "tp2_fsdp2", "tp2_fsdp2_to_fsdp4")
     return skipped
@@ -205,6 +212,30 @@ def test_a_tensor_parallel_checkpoint_exports_the_weights_it_resumes_with(runs):
     assert exported.keys() == loaded.keys()
     for name, tensor in exported.items():
         assert torch.equal(tensor, loaded[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", ["export-hf", "hf_export"])
+def test_transformers_reads_an_export_of_a_tensor_parallel_checkpoint(runs, writer):
+    """TP 2 x FSDP 2's checkpoint as a Hugging Face folder, written by export-hf after the run
+    (step ``SAVED``) or by the hf_export plugin during it (step ``STEPS``): transformers'
+    ``LlamaForCausalLM`` gives the logits of plugtrain's 1-process model of that checkpoint."""
+    checkpoints = runs["base"] / "tp2_fsdp2" / "checkpoints"
+    if writer == "export-hf":
+        checkpoint, out = checkpoints / f"step-{SAVED}", runs["base"] / "tp2_fsdp2_hf"
+        export_checkpoint(checkpoint, out, dtype=torch.float32)
+    else:
+        checkpoint = checkpoints / f"step-{STEPS}"
+        out = checkpoint / "hf"
+    model, tokenizer = load_model(checkpoint)
+    tokens = torch.randint(
+        tokenizer.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        ours = model(tokens)
+    error = (hf_llama_logits(out, tokens) - ours).abs().max().item()
+    print(f"{writer}: transformers vs plugtrain, max logit difference {error:.3g}")
+    assert error < 1e-5, f"{writer}: max logit difference {error:.3g}"
 
 
 @pytest.mark.parametrize(
