@@ -21,24 +21,28 @@ from plugtrain_compile import Compile
 from plugtrain_downstream_eval import DownstreamEval
 from plugtrain_samples import Samples
 
-from plugtrain.checkpoint import export_checkpoint
+from plugtrain.checkpoint import export_checkpoint, read_checkpoint
+from plugtrain.data import Tokenizer
 from plugtrain.distributed import mesh_shape
 from plugtrain.errors import ConfigError
 from plugtrain.generate import load as load_model
-from plugtrain.model import FLAVORS, check_tensor_parallel, to_hf
+from plugtrain.model import FLAVORS, check_tensor_parallel, from_hf, run_model_args, to_hf
 from plugtrain.plugin import full_tensor
 from plugtrain.testing import (
+    SAMPLE,
     InjectInf,
     make_trainer,
     max_difference,
     metrics_by_step,
     model_context,
     run_distributed,
+    save_random_llama,
     setup_context,
 )
 from plugtrain.testing.hf import hf_llama_logits
 
 STEPS, SAVED, INF_STEP = 10, 8, 4
+SEQ_LEN = 32  # tiny_args'
 TP2 = ("--parallelism.tp", "2")
 PLUGINS = "grad_clip,grad_scaler,spike_guard,ema,z_loss,activation_checkpointing"
 RUN = (
@@ -84,6 +88,19 @@ def train(folder: Path, *args: str, inf_rank: int | None = None) -> int:
     return int(trainer.host.get("grad_scaler").skipped_steps)
 
 
+def initialized(root: Path, name: str, source: Path, *args: str) -> dict[str, torch.Tensor] | None:
+    """The weights, whole, of run ``name`` (``RUN`` + ``args``) initialized from ``source`` (a
+    Hugging Face folder or a step-N checkpoint) before its first step: on rank 0 (None on the
+    others)."""
+    load = ("--checkpoint.initial_load_path", str(source))
+    trainer = make_trainer(root / name, *RUN, *args, *load)
+    try:
+        weights = {k: full_tensor(p.detach()) for k, p in trainer.model.named_parameters()}
+    finally:
+        trainer.close()
+    return weights if not dist.is_initialized() or dist.get_rank() == 0 else None
+
+
 def copy_checkpoint(written: Path, resumed: Path) -> None:
     """Copy run ``written``'s step-``SAVED`` checkpoint into the new dump folder ``resumed``."""
     step = f"checkpoints/step-{SAVED}"
@@ -100,26 +117,32 @@ def resume(root: Path, written: str, resumed: str, *args: str) -> None:
     train(root / resumed, *args)
 
 
-def four_ranks(base: str) -> int:
+def four_ranks(base: str) -> dict:
     """On each of 4 ranks: TP 2 x FSDP 2 with an inf in rank 3's gradients, hf_export writing
     its last checkpoint as a Hugging Face folder; the 1-process checkpoint resumed under TP 2 x
-    FSDP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 4 (no TP). This rank's skipped
-    steps."""
+    FSDP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 4 (no TP); TP 2 x FSDP 2 initialized
+    from the Hugging Face folder."""
     root = Path(base)
     skipped = train(root / "tp2_fsdp2", *TP2, *EXPORTING, inf_rank=3)
     resume(root, "one", "one_to_tp2_fsdp2", *TP2)
     resume(root, "tp2_fsdp2", "tp2_fsdp2_to_fsdp4")
-    return skipped
+    return {
+        "skipped": skipped,
+        "from_hf": initialized(root, "tp2_fsdp2_from_hf", root / "hf", *TP2),
+    }
 
 
 def two_ranks(base: str) -> dict:
     """On each of 2 ranks: TP 2 with an inf in rank 1's gradients; the 1-process checkpoint
-    resumed under TP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 2 (no TP)."""
+    resumed under TP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 2 (no TP); TP 2
+    initialized from the Hugging Face folder, and from the 1-process step-``SAVED`` checkpoint."""
     root = Path(base)
     skipped = train(root / "tp2", *TP2, inf_rank=1)
     resume(root, "one", "one_to_tp2", *TP2)
     resume(root, "tp2_fsdp2", "tp2_fsdp2_to_fsdp2")
-    return {"skipped": skipped}
+    from_hf = initialized(root, "tp2_from_hf", root / "hf", *TP2)
+    from_step = initialized(root, "tp2_from_step", root / "one" / f"checkpoints/step-{SAVED}", *TP2)
+    return {"skipped": skipped, "from_hf": from_hf, "from_step": from_step}
 
 
 RESUMES = {
@@ -136,17 +159,26 @@ RESUMES = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("tp")
+    # A random Hugging Face model of the tiny shape, for the initial loads.
+    vocab = Tokenizer.from_file(SAMPLE / "tokenizer.json").vocab_size
+    hf_args = run_model_args("tiny", vocab, SEQ_LEN)
+    save_random_llama(base / "hf", hf_args)
     one = train(base / "one", inf_rank=0)
     four = run_distributed(four_ranks, 4, str(base))  # first: the 2-process launch resumes it
     ranks = run_distributed(two_ranks, 2, str(base))
     resume(base, "tp2", "tp2_to_one")
     resume(base, "tp2_fsdp2", "tp2_fsdp2_to_one")
+    from_hf = {"one": initialized(base, "one_from_hf", base / "hf"), "tp2": ranks[0]["from_hf"]}
+    from_hf["tp2_fsdp2"] = four[0]["from_hf"]
     names = ("one", "tp2", "tp2_fsdp2", *RESUMES)
     return {
         "base": base,
         "one": one,
         "ranks": ranks,
         "four": four,
+        "from_hf": from_hf,
+        "from_step": ranks[0]["from_step"],
+        "hf_args": hf_args,
         "metrics": {name: metrics_by_step(base / name) for name in names},
     }
 
@@ -171,7 +203,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_all(runs):
     m = runs["metrics"]
     assert runs["one"] == 1
     assert [r["skipped"] for r in runs["ranks"]] == [1, 1]
-    assert runs["four"] == [1, 1, 1, 1]
+    assert [r["skipped"] for r in runs["four"]] == [1, 1, 1, 1]
     for layout in ("tp2", "tp2_fsdp2"):
         assert m[layout][INF_STEP]["skipped_steps"] == 1
         assert m[layout][INF_STEP - 1]["skipped_steps"] == 0
@@ -212,6 +244,36 @@ def test_a_tensor_parallel_checkpoint_exports_the_weights_it_resumes_with(runs):
     assert exported.keys() == loaded.keys()
     for name, tensor in exported.items():
         assert torch.equal(tensor, loaded[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "tp2_fsdp2"])
+def test_a_hugging_face_initial_load_under_tensor_parallelism_gives_the_1_process_weights(
+    runs, layout
+):
+    """Each rank reads its blocks of the folder's tensors (rows of the column-wise projections,
+    columns of the row-wise ones, FSDP's rows of those): put together, the weights 1 process
+    loads, bit for bit, which are the folder's (not an initialisation, which would match too)."""
+    from safetensors.torch import load_file
+
+    stored = load_file(runs["base"] / "hf" / "model.safetensors")
+    folder = dict(from_hf(name, tensor, runs["hf_args"]) for name, tensor in stored.items())
+    ours, reference = runs["from_hf"][layout], runs["from_hf"]["one"]
+    assert ours.keys() == reference.keys() == folder.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(reference[name], folder[name]), name
+        assert torch.equal(tensor, reference[name]), name
+
+
+@pytest.mark.slow
+def test_a_checkpoint_initial_load_under_tensor_parallelism_gives_its_weights(runs):
+    """DCP reshards a 1-process step-N checkpoint onto TP 2 as it does on a resume."""
+    step = runs["base"] / "one" / f"checkpoints/step-{SAVED}"
+    saved = {k.removeprefix("model."): v for k, v in read_checkpoint(step, "model.").items()}
+    loaded = runs["from_step"]
+    assert loaded.keys() == saved.keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, saved[name]), name
 
 
 @pytest.mark.slow

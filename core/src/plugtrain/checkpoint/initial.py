@@ -9,12 +9,13 @@ why), since the run it continues already started from the load.
 Either way the tensors go straight into the sharded model and no process holds the whole
 model. A Hugging Face folder (``config.json`` and ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json``) is read through ``safetensors``' lazy slices: each rank reads
-only the rows of each tensor its ``Shard(0)`` holds (for q and k, the rows of the heads they
-fall in, which RoPE's layout change permutes within; see ``model/hf.py``), cast to the
-parameter's dtype. A ``step-N/`` folder is read by DCP, which reshards any saved world size
-onto this one; with ``checkpoint.initial_load_model_only = false`` AdamW's per-parameter state
-(moments and its own step count) comes too. Never the trainer's step, LR schedule, data
-position or plugin states: those start afresh with the new run's settings.
+only the block of each tensor it holds, FSDP's rows and tensor parallelism's rows or columns
+(for q and k, the rows of the heads they fall in, which RoPE's layout change permutes within;
+see ``model/hf.py``), cast to the parameter's dtype. A ``step-N/`` folder is read by DCP, which
+reshards any saved world size and layout onto this one; with
+``checkpoint.initial_load_model_only = false`` AdamW's per-parameter state (moments and its own
+step count) comes too. Never the trainer's step, LR schedule, data position or plugin states:
+those start afresh with the new run's settings.
 
 Every check runs before any tensor is read and before the run writes to its dump folder: a
 missing or damaged folder, a model shape that differs (tensor by tensor), missing or unknown
@@ -210,24 +211,26 @@ class InitialLoad:
     def _load_hf(self, model: nn.Module, args: ModelArgs) -> None:
         for name, value in get_model_state_dict(model).items():
             hf_name = self._hf_name(name, args)
-            rows = value.shape[0]
             # Which stored row each of ours is: the q/k permutation, applied to row numbers.
-            order = from_hf(hf_name, torch.arange(rows).unsqueeze(1), args)[1].squeeze(1)
+            order = from_hf(hf_name, torch.arange(value.shape[0]).unsqueeze(1), args)[1].squeeze(1)
             if isinstance(value, DTensor):
-                local_shape, offset = compute_local_shape_and_global_offset(
+                # FSDP's Shard(0), tensor parallelism's Shard(0) or Shard(1), or both: each rank
+                # holds one block, contiguous in every dimension.
+                shape, offset = compute_local_shape_and_global_offset(
                     value.shape, value.device_mesh, value.placements
                 )
-                first, count = offset[0], local_shape[0]
                 target = value.to_local()
             else:
-                first, count, target = 0, rows, value
-            if count == 0:
+                shape, offset, target = tuple(value.shape), (0,) * value.ndim, value
+            if 0 in shape:
                 continue
-            wanted = order[first : first + count]
+            wanted = order[offset[0] : offset[0] + shape[0]]
             low, high = int(wanted.min()), int(wanted.max()) + 1
+            # Only rows are permuted: the other dimensions are read as this rank's slice.
+            columns = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
             try:
                 with safe_open(self.files[hf_name], framework="pt") as f:
-                    block = f.get_slice(hf_name)[low:high]
+                    block = f.get_slice(hf_name)[(slice(low, high), *columns)]
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
             target.copy_(block[wanted - low].to(target.dtype))

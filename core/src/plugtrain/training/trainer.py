@@ -46,7 +46,6 @@ from plugtrain.data import (
     open_token_store,
 )
 from plugtrain.distributed import World, all_reduce_mean, init_world
-from plugtrain.errors import ConfigError
 from plugtrain.host import PluginHost
 from plugtrain.model import (
     DTYPES,
@@ -133,12 +132,6 @@ class Trainer:
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
         self.initial_load: InitialLoad | None = None
         """Where a fresh start's weights come from (checkpoint.initial_load_path), if anywhere."""
-        if config.checkpoint.initial_load_path and self.world.tp > 1:
-            raise ConfigError(
-                f"checkpoint.initial_load_path does not load under tensor parallelism yet "
-                f"(parallelism.tp = {self.world.tp}): start it with tp = 1, save a checkpoint "
-                "and resume that under tensor parallelism (checkpoints reshard)"
-            )
         if config.checkpoint.initial_load_path:
             # Checked first, so that a bad folder is refused before anything else is done.
             ignored = initial_load_ignored(config.checkpoint, config.job.dump_folder)
