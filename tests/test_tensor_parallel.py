@@ -1,7 +1,7 @@
 """Tensor parallelism (``parallelism.tp``): TP 2 on 2 processes and TP 2 x FSDP 2 on 4 against
-1 process with the shipped plugins in fp16, an inf on one rank, checkpoints resumed across the
-layouts (with and without TP, on 1, 2 and 4 processes), their Hugging Face exports read by
-transformers, and refused degrees.
+1 process with the shipped plugins in fp16 (and TP 2 with tied embeddings in fp32), an inf on
+one rank, checkpoints resumed across the layouts (with and without TP, on 1, 2 and 4
+processes), initial loads, Hugging Face exports read by transformers, and refused degrees.
 
 The multi-process checks share one 2-process and one 4-process launch through a module-scoped
 fixture.
@@ -43,6 +43,7 @@ from plugtrain.testing.hf import hf_llama_logits
 
 STEPS, SAVED, INF_STEP = 10, 8, 4
 SEQ_LEN = 32  # tiny_args'
+TIED_STEPS = 4
 TP2 = ("--parallelism.tp", "2")
 PLUGINS = "grad_clip,grad_scaler,spike_guard,ema,z_loss,activation_checkpointing"
 RUN = (
@@ -101,6 +102,11 @@ def initialized(root: Path, name: str, source: Path, *args: str) -> dict[str, to
     return weights if not dist.is_initialized() or dist.get_rank() == 0 else None
 
 
+def train_tied(folder: Path, *args: str) -> None:
+    """Train ``TIED_STEPS`` steps of the tiny model with tied embeddings, in fp32, + ``args``."""
+    make_trainer(folder, "--model.tie_embeddings", "true", *args, steps=TIED_STEPS).run()
+
+
 def copy_checkpoint(written: Path, resumed: Path) -> None:
     """Copy run ``written``'s step-``SAVED`` checkpoint into the new dump folder ``resumed``."""
     step = f"checkpoints/step-{SAVED}"
@@ -135,13 +141,15 @@ def four_ranks(base: str) -> dict:
 def two_ranks(base: str) -> dict:
     """On each of 2 ranks: TP 2 with an inf in rank 1's gradients; the 1-process checkpoint
     resumed under TP 2; the TP 2 x FSDP 2 checkpoint resumed on FSDP 2 (no TP); TP 2
-    initialized from the Hugging Face folder, and from the 1-process step-``SAVED`` checkpoint."""
+    initialized from the Hugging Face folder, and from the 1-process step-``SAVED`` checkpoint;
+    TP 2 with tied embeddings."""
     root = Path(base)
     skipped = train(root / "tp2", *TP2, inf_rank=1)
     resume(root, "one", "one_to_tp2", *TP2)
     resume(root, "tp2_fsdp2", "tp2_fsdp2_to_fsdp2")
     from_hf = initialized(root, "tp2_from_hf", root / "hf", *TP2)
     from_step = initialized(root, "tp2_from_step", root / "one" / f"checkpoints/step-{SAVED}", *TP2)
+    train_tied(root / "tied_tp2", *TP2)
     return {"skipped": skipped, "from_hf": from_hf, "from_step": from_step}
 
 
@@ -164,13 +172,14 @@ def runs(tmp_path_factory) -> dict:
     hf_args = run_model_args("tiny", vocab, SEQ_LEN)
     save_random_llama(base / "hf", hf_args)
     one = train(base / "one", inf_rank=0)
+    train_tied(base / "tied_one")
     four = run_distributed(four_ranks, 4, str(base))  # first: the 2-process launch resumes it
     ranks = run_distributed(two_ranks, 2, str(base))
     resume(base, "tp2", "tp2_to_one")
     resume(base, "tp2_fsdp2", "tp2_fsdp2_to_one")
     from_hf = {"one": initialized(base, "one_from_hf", base / "hf"), "tp2": ranks[0]["from_hf"]}
     from_hf["tp2_fsdp2"] = four[0]["from_hf"]
-    names = ("one", "tp2", "tp2_fsdp2", *RESUMES)
+    names = ("one", "tp2", "tp2_fsdp2", *RESUMES, "tied_one", "tied_tp2")
     return {
         "base": base,
         "one": one,
@@ -196,6 +205,17 @@ def test_tensor_parallelism_matches_one_process_with_the_plugins(runs, layout):
     print(f"{layout} vs 1 process: losses {losses:.3g}, clipped norms {norms:.3g}, all {every:.3g}")
     assert every < TOLERANCE, f"{layout} vs 1 process: max difference {every:.3g}"
     assert m[layout][STEPS]["grad_clip/grad_norm"] > 0.5  # clipping was active
+
+
+@pytest.mark.slow
+def test_tied_embeddings_under_tensor_parallelism_match_one_process(runs):
+    """One vocabulary-split matrix embeds and projects (its gradient sums both uses): TP 2's
+    fp32 losses are 1 process's over the steps, each after an update of the tied matrix."""
+    m = runs["metrics"]
+    steps = range(1, TIED_STEPS + 1)
+    difference = max_difference(m["tied_tp2"], m["tied_one"], steps, ["loss"])
+    print(f"tied embeddings, TP 2 vs 1 process: losses {difference:.3g}")
+    assert difference < 1e-5, f"tied embeddings: max difference {difference:.3g}"
 
 
 @pytest.mark.slow
@@ -354,9 +374,3 @@ def test_the_plugins_not_ready_for_tensor_parallelism_refuse_it_in_one_line(name
         f"plugin '{name}' does not run under tensor parallelism yet (parallelism.tp = 2): "
         f"remove '{name}' from plugins.enabled, or set parallelism.tp = 1"
     )
-
-
-def test_tied_embeddings_are_refused_under_tensor_parallelism():
-    with pytest.raises(ConfigError, match="tie_embeddings = true is not supported yet"):
-        check_tensor_parallel(dataclasses.replace(TINY, tie_embeddings=True), 2, 32)
-    check_tensor_parallel(dataclasses.replace(TINY, tie_embeddings=True), 1, 31)  # no TP: fine

@@ -8,7 +8,8 @@ parallel (each rank normalises ``seq_len / tp`` of the tokens, and the activatio
 blocks stay split by position); the embedding is split by vocabulary rows, and the output
 projection column-wise with its logits left sharded over the vocabulary, for
 ``loss_parallel``'s cross-entropy (no rank ever holds the full ``vocab`` logits; the loss in
-chunks, ``model.loss.ChunkedLoss``, keeps them sharded chunk by chunk). The
+chunks, ``model.loss.ChunkedLoss``, keeps them sharded chunk by chunk); tied, the one matrix
+has both splits, which are the same rows. The
 forwards run unchanged: they read their local head counts from the projections' outputs.
 """
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -59,11 +61,6 @@ def check_tensor_parallel(args: ModelArgs, tp: int, seq_len: int) -> None:
                 f"divides it (heads {args.n_heads}, key/value heads {args.n_kv_heads}, FFN "
                 f"{args.ffn_hidden_dim}, seq_len {seq_len})"
             )
-    if args.tie_embeddings:
-        raise ConfigError(
-            f"parallelism.tp = {tp} with model.tie_embeddings = true is not supported yet: "
-            "untie the embeddings, or set parallelism.tp = 1"
-        )
 
 
 def plan(n_layers: int) -> dict[str, ParallelStyle]:
@@ -103,8 +100,23 @@ def plan(n_layers: int) -> dict[str, ParallelStyle]:
 
 def parallelize(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Apply :func:`plan` to ``model`` (unsharded, on the meta device) over ``tp_mesh``: every
-    parameter becomes a DTensor over it, sharded or (the norms) replicated."""
-    parallelize_module(model, tp_mesh, plan(model.args.n_layers))
+    parameter becomes a DTensor over it, sharded or (the norms) replicated.
+
+    Tied embeddings need nothing more of the weight: the embedding's split by vocabulary rows
+    is ``Shard(0)``, exactly the output projection's column-wise split of the same ``vocab x
+    dim`` matrix, so the one parameter serves both (its gradient sums the two uses' ``Shard(0)``
+    parts). What the missing ``output`` module's style did to its input is done on the final
+    norm's output instead: its positions are all-gathered, so that the product with the
+    vocabulary-split matrix gives logits split over the vocabulary, for ``loss_parallel``."""
+    styles = plan(model.args.n_layers)
+    if model.output is None:
+        del styles["output"]
+    parallelize_module(model, tp_mesh, styles)
+    if model.output is None:
+        gather = PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
+        )
+        parallelize_module(model.norm, tp_mesh, gather)
 
 
 def parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
