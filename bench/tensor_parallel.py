@@ -18,8 +18,15 @@ Part 2, measured: tokens per CPU-second (all processes' CPU time over the timed 
 gloo processes training the debug model in fp32 under FSDP 2 and under TP 2, the same global
 batch. TP is not expected to pay on CPU processes: it adds collectives per block.
 
-    python bench/tensor_parallel.py            # part 1 and part 2 (a few minutes on 2 cores)
+Part 3, counted: the collectives of one non-logging step by op, on each of 2 gloo processes
+training the tiny model in fp32 under FSDP 2 and under TP 2, with the cost counter
+(``plugtrain.testing.count_costs``: a 3-step run's counts less a 2-step run's).
+``tests/test_tensor_parallel_plugins.py`` asserts the same numbers and says where each comes
+from.
+
+    python bench/tensor_parallel.py            # parts 1 to 3 (a few minutes on 2 cores)
     python bench/tensor_parallel.py --quick    # part 2 with fewer steps
+    python bench/tensor_parallel.py --collectives-only   # part 3 only (about a minute)
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from plugtrain.plugin import hookimpl
 
 NAME = "tensor_parallel"
 CONFIG = benchlib.REPO / "configs/llama3_70b.toml"
+LAYOUTS = {"FSDP 2": (), "TP 2": ("--parallelism.tp", "2")}
+"""The 2-process layouts of parts 2 and 3, by name: their command-line arguments."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +185,7 @@ def cpu_throughput(cli: argparse.Namespace) -> list[dict]:
     steps = 5 if cli.quick else 12
     tokens = 8 * 128 * (steps - 2)  # trainer_args' batch of 8 x 128 tokens per step
     rows = []
-    for name, layout in (("FSDP 2", ()), ("TP 2", ("--parallelism.tp", "2"))):
+    for name, layout in LAYOUTS.items():
         folder = str(benchlib.REPO / "outputs" / "bench" / f"tp_{name.replace(' ', '')}")
         cpu = sum(run_distributed(measure, 2, layout, steps, folder))
         rows.append({"layout": name, "cpu_s": cpu, "tokens_per_cpu_s": tokens / cpu})
@@ -194,16 +203,51 @@ def cpu_throughput(cli: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def count_layouts(folder: str) -> dict[str, dict[str, float]]:
+    """On each rank: the collectives per non-logging step of each of ``LAYOUTS``, by op."""
+    from plugtrain.testing import count_costs
+
+    fp32 = ("--training.mixed_precision_param", "float32")
+    return {
+        name: count_costs(f"{folder}/{i}", *fp32, *layout, short=2, long=3).collectives
+        for i, (name, layout) in enumerate(LAYOUTS.items())
+    }
+
+
+def collectives_per_step() -> dict[str, dict[str, float]]:
+    from plugtrain.testing import run_distributed
+
+    folder = str(benchlib.REPO / "outputs" / "bench" / "tp_collectives")
+    counts = run_distributed(count_layouts, 2, folder)
+    assert counts[0] == counts[1], counts  # every rank makes the same collectives
+    by_layout = counts[0]
+    ops = sorted({op for ops in by_layout.values() for op in ops})
+    print("\ntiny model (2 blocks), fp32, 2 gloo processes: collectives per non-logging step\n")
+    print(
+        benchlib.table(
+            ["op", *by_layout],
+            [[op, *(ops.get(op, 0) for ops in by_layout.values())] for op in ops]
+            + [["all", *(sum(ops.values()) for ops in by_layout.values())]],
+        )
+    )
+    return by_layout
+
+
 def main() -> None:
     def add(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--nodes", type=int, default=8)
         parser.add_argument("--gpus-per-node", type=int, default=8)
         parser.add_argument("--shapes-only", action="store_true", help="part 1 only")
+        parser.add_argument("--collectives-only", action="store_true", help="part 3 only")
 
     cli = benchlib.parse_args(NAME, __doc__.splitlines()[0], add)
-    results = {"shapes": shape_volumes(cli)}
-    if not cli.shapes_only:
+    results = {}
+    if not cli.collectives_only:
+        results["shapes"] = shape_volumes(cli)
+    if not (cli.shapes_only or cli.collectives_only):
         results["cpu"] = cpu_throughput(cli)
+    if not cli.shapes_only:
+        results["collectives"] = collectives_per_step()
     benchlib.write_json(cli.out, NAME, cli, results)
 
 
