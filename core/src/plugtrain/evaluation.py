@@ -1,8 +1,8 @@
 """Multiple-choice downstream tasks: task files, log-likelihood scoring, ``acc`` and ``acc_norm``.
 
 The one scorer of plugtrain: the ``downstream_eval`` plugin calls it on the model being trained
-(FSDP2-sharded or not) at each validation, and ``plugtrain eval`` on a saved model. It scores as
-lm-evaluation-harness scores a ``multiple_choice`` task:
+(FSDP2-sharded, tensor-parallel or neither) at each validation, and ``plugtrain eval`` on a
+saved model. It scores as lm-evaluation-harness scores a ``multiple_choice`` task:
 
 * each choice's log-likelihood is the sum of the log-probabilities of its continuation's tokens
   given the context. The continuation is ``delimiter + choice`` (``delimiter`` is " " unless an
@@ -29,7 +29,10 @@ Items are split over ranks (item ``i`` on rank ``i % world_size``); each rank fo
 choices in batches of rows padded on the right (causal attention: padding changes nothing
 before it), and every rank runs the same number of forwards, padding with a one-token one, so
 that every rank joins each of an FSDP2 model's all-gathers. The counts are summed over ranks:
-the score is the same on any number of processes.
+the score is the same on any number of processes. Under tensor parallelism the ranks of a
+``tp`` group score the same items together (the split is over the data-parallel ranks, the
+``group`` of :func:`score`), each reading the logits whole
+(:func:`~plugtrain.model.tensor_parallel.whole_logits`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from torch import nn
 
 from plugtrain import sample
 from plugtrain.errors import DataError, MissingFileError
-from plugtrain.model import TextTokenizer, reshard
+from plugtrain.model import TextTokenizer, reshard, whole_logits
 
 __all__ = [
     "EncodedTasks",
@@ -304,7 +307,7 @@ def _loglikelihoods(
     out = torch.zeros(len(rows), device=device)
     for n in range(forwards):
         if n >= len(batches):
-            model(torch.zeros(1, 1, dtype=torch.long, device=device))
+            whole_logits(model, torch.zeros(1, 1, dtype=torch.long, device=device))
             continue
         batch = batches[n]
         width = max(len(encoded.rows[r]) for r in batch) - 1
@@ -316,7 +319,7 @@ def _loglikelihoods(
             scored[b, len(row) - 1 - encoded.scored[r] : len(row) - 1] = True
         tokens, scored = tokens.to(device), scored.to(device)
         # The log-softmax of the continuations' positions only: most positions are context.
-        logits = model(tokens[:, :-1])[scored].float()
+        logits = whole_logits(model, tokens[:, :-1])[scored].float()
         picked = F.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:][scored][:, None])
         where = torch.tensor([position[r] for r in batch], device=device)
         out.index_add_(0, where[:, None].expand_as(scored)[scored], picked.squeeze(-1))
@@ -362,14 +365,18 @@ def score(
     batch_size: int = 32,
     rank: int = 0,
     world_size: int = 1,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Score]:
     """Score ``encoded`` with ``model`` on every rank (each with the same arguments): each
     task's :class:`Score`, the same on every rank and for any ``world_size``.
 
     ``model`` maps tokens ``[B, S]`` to logits ``[B, S, vocab]`` (a
-    :class:`~plugtrain.model.transformer.Transformer`, FSDP2-sharded or not); it is put in eval
-    mode for the passes and back, and resharded after them. One all-reduce and one read of the
-    counts on the host; no random number is drawn.
+    :class:`~plugtrain.model.transformer.Transformer`, FSDP2-sharded, tensor-parallel or
+    neither); it is put in eval mode for the passes and back, and resharded after them. The
+    items are split over ``world_size`` ranks, this one ``rank``, and the counts summed over
+    ``group`` (None: every process), the group those ranks make: under tensor parallelism the
+    data-parallel one, whose ranks each stand for a ``tp`` group. One all-reduce and one read of
+    the counts on the host; no random number is drawn.
     """
     device = next(model.parameters()).device
     mine = [r for r in range(len(encoded.rows)) if encoded.row_item[r] % world_size == rank]
@@ -396,7 +403,7 @@ def score(
         task = torch.tensor([encoded.item_task[i] for i in items], device=device)
         counts.index_add_(0, task, torch.stack(hits, dim=1).long())
     if world_size > 1:
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=group)
     return {
         name: Score(n, correct, correct_norm)
         for name, (n, correct, correct_norm) in zip(encoded.names, counts.tolist(), strict=True)

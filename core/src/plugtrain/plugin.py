@@ -20,7 +20,7 @@ from plugtrain import API_VERSION, PROJECT_NAME
 from plugtrain.data import Rewind, SkipRange
 from plugtrain.errors import ConfigError, PluginError, check_field
 from plugtrain.evaluation import EncodedTasks, Score, Task, encode_tasks, read_task, score
-from plugtrain.model import TextTokenizer, complete, logsumexp
+from plugtrain.model import TextTokenizer, complete, logsumexp, whole_logits
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -62,6 +62,7 @@ __all__ = [
     "refuse_tensor_parallel",
     "score",
     "total_norm",
+    "whole_logits",
     "wrap_forward",
 ]
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from plugtrain.model.tensor_parallel import (
         parallel_summed_cross_entropy as parallel_summed_cross_entropy,
     )
+    from plugtrain.model.tensor_parallel import tensor_parallel_degree as tensor_parallel_degree
+    from plugtrain.model.tensor_parallel import whole_logits as whole_logits
     from plugtrain.model.transformer import KVCache as KVCache
     from plugtrain.model.transformer import Transformer as Transformer
     from plugtrain.model.transformer import cross_entropy as cross_entropy

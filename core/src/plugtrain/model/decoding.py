@@ -2,7 +2,7 @@
 
 The one decoding loop of plugtrain: ``plugtrain generate`` calls it on a model loaded from a
 checkpoint, and plugins reach it through :mod:`plugtrain.plugin` (the ``samples`` plugin
-calls it on the model being trained, FSDP2-sharded or not).
+calls it on the model being trained, FSDP2-sharded, tensor-parallel or neither).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from plugtrain.errors import UserError
+from plugtrain.model.tensor_parallel import tensor_parallel_degree, whole_logits
 from plugtrain.model.transformer import KVCache
 
 __all__ = ["TextTokenizer", "complete", "generate", "next_token"]
@@ -68,18 +69,24 @@ def generate(
     early once every row has written ``eos_id``, and pads a row that wrote it before the others
     with it. ``use_cache`` False recomputes the whole sequence at each step (the reference the
     KV cache is checked against). ``model`` is a :class:`~plugtrain.model.transformer.Transformer`,
-    FSDP2-sharded or not: under FSDP2 every rank must call this with the same arguments (and
-    generator state), so that all join the same forwards.
+    FSDP2-sharded, tensor-parallel (:func:`~plugtrain.model.tensor_parallel.whole_logits`) or
+    neither: sharded, every rank must call this with the same arguments (and generator state),
+    so that all join the same forwards and write the same tokens.
     """
     batch, prompt_len = tokens.shape
     max_seq_len = model.args.max_seq_len
-    if prompt_len < 1 or prompt_len + max_new_tokens > max_seq_len:
+    # Under tensor parallelism each forward is padded by up to tp - 1 positions (whole_logits).
+    padding = tensor_parallel_degree(model) - 1
+    limit = max_seq_len - padding
+    if prompt_len < 1 or prompt_len + max_new_tokens > limit:
+        padded = f" less {padding} positions of tensor-parallel padding" if padding else ""
         raise UserError(
             f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens does not fit the "
-            f"model's max_seq_len {max_seq_len}: give a prompt of 1 to {max_seq_len - 1} tokens "
-            "and fewer new tokens"
+            f"model's max_seq_len {max_seq_len}{padded}: give a prompt of 1 to {limit - 1} "
+            "tokens and fewer new tokens"
         )
-    cache = KVCache(model.args, batch, prompt_len + max_new_tokens) if use_cache else None
+    length = prompt_len + max_new_tokens + padding
+    cache = KVCache(model.args, batch, length) if use_cache else None
     sequence, step_input = tokens, tokens
     done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     new: list[torch.Tensor] = []
@@ -87,7 +94,7 @@ def generate(
     # and sequence length would be a new graph, a recompile every step.
     with torch.compiler.set_stance("force_eager"):
         for _ in range(max_new_tokens):
-            logits = model(step_input, cache) if cache is not None else model(sequence)
+            logits = whole_logits(model, sequence if cache is None else step_input, cache)
             token = next_token(
                 logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p,
                 generator=generator,

@@ -11,11 +11,14 @@ projection column-wise with its logits left sharded over the vocabulary, for
 chunks, ``model.loss.ChunkedLoss``, keeps them sharded chunk by chunk); tied, the one matrix
 has both splits, which are the same rows. The
 forwards run unchanged: they read their local head counts from the projections' outputs.
+Inference on such a model (decoding, scoring) goes through :func:`whole_logits`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -30,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 
 from plugtrain.errors import ConfigError
 from plugtrain.model.args import ModelArgs
-from plugtrain.model.transformer import Transformer, cross_entropy, summed_cross_entropy
+from plugtrain.model.transformer import KVCache, Transformer, cross_entropy, summed_cross_entropy
 
 __all__ = [
     "check_tensor_parallel",
@@ -38,6 +41,8 @@ __all__ = [
     "parallel_summed_cross_entropy",
     "parallelize",
     "plan",
+    "tensor_parallel_degree",
+    "whole_logits",
 ]
 
 
@@ -130,3 +135,34 @@ def parallel_summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -
     """:func:`summed_cross_entropy` (chat data's loss over its counted targets) of logits
     sharded over the vocabulary, as :func:`parallel_cross_entropy` returns the mean."""
     return summed_cross_entropy(logits, targets).to_local()
+
+
+def tensor_parallel_degree(model: nn.Module) -> int:
+    """The ``tp`` of the ranks :func:`parallelize` split ``model`` over; 1 if it did not."""
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    names = () if mesh is None else mesh.mesh_dim_names or ()
+    return mesh.size(names.index("tp")) if mesh is not None and "tp" in names else 1
+
+
+def whole_logits(
+    model: nn.Module, tokens: torch.Tensor, cache: KVCache | None = None
+) -> torch.Tensor:
+    """``model(tokens, cache)``'s logits ``[B, S, vocab]``, whole and the same on every rank of
+    a ``tp`` group: for inference (decoding, scoring), which reads whole rows of logits.
+
+    Without tensor parallelism it is ``model(tokens, cache)`` itself. With it, every rank of
+    the group calls it with the same arguments: the tokens are padded on the right to a
+    multiple of ``tp`` (sequence parallelism splits the positions evenly), which changes no
+    real position's logits (attention is causal, the padding comes after); the logits are
+    gathered over the vocabulary, the padding's dropped, and ``cache`` is moved back to the
+    end of the real tokens (their padding's keys are overwritten by the next forward's).
+    """
+    tp = tensor_parallel_degree(model)
+    if tp == 1:
+        return model(tokens) if cache is None else model(tokens, cache)
+    seq = tokens.shape[1]
+    pad = -seq % tp
+    logits = model(F.pad(tokens, (0, pad)), cache)
+    if cache is not None:
+        cache.length -= pad
+    return logits.full_tensor()[:, :seq]

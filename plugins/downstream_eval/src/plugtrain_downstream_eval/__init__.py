@@ -3,8 +3,10 @@
 At each validation pass (``validation_metrics``: the model's own weights, then each weight set
 a plugin offers, such as ema's) every rank scores its share of each task's items with
 :func:`plugtrain.plugin.score`, the scorer ``plugtrain eval`` uses, on the model as it trains
-(FSDP2-sharded or not). Logged as ``downstream_eval/<task>/acc`` and ``.../acc_norm``
-(``ema/downstream_eval/<task>/acc`` for ema's weights); the console shows each task's ``acc``.
+(FSDP2-sharded, tensor-parallel or neither; under tensor parallelism the items are split over
+the data-parallel ranks, and the ranks of a ``tp`` group score the same ones). Logged as
+``downstream_eval/<task>/acc`` and ``.../acc_norm`` (``ema/downstream_eval/<task>/acc`` for
+ema's weights); the console shows each task's ``acc``.
 The task files are read and tokenized once, in ``setup``: a bad file stops the run there.
 """
 
@@ -12,16 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch.distributed import ProcessGroup
+
 from plugtrain.plugin import (
     ConfigError,
     EncodedTasks,
     SetupContext,
     ValidationContext,
     check_field,
+    data_parallel_group,
     encode_tasks,
     hookimpl,
     read_task,
-    refuse_tensor_parallel,
     score,
 )
 
@@ -54,6 +58,7 @@ class DownstreamEval:
         self.config = DownstreamEvalConfig()
         self.model = None
         self.rank, self.world_size = 0, 1
+        self.group: ProcessGroup | None = None
         self.tasks: EncodedTasks | None = None
 
     @hookimpl
@@ -63,8 +68,6 @@ class DownstreamEval:
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
         self.config = cfg = ctx.plugin_config(self)
-        # Scoring reads whole logits and splits the items over every rank, not the data ranks.
-        refuse_tensor_parallel(ctx.config, ctx.name_of(self))
         if not ctx.config.validation.interval:
             ctx.deactivate(self, "validation.interval is 0: no validation to score tasks at")
             return
@@ -77,7 +80,10 @@ class DownstreamEval:
                     "each task is logged under its file name, so rename one"
                 )
         assert ctx.tokenizer is not None, "a run's setup gives its tokenizer"
-        self.model, self.rank, self.world_size = ctx.model, ctx.rank, ctx.world_size
+        # The items are split over the ranks that train on different data: a tp group's
+        # ranks join the same forwards.
+        self.group = data_parallel_group(ctx.mesh)
+        self.model, self.rank, self.world_size = ctx.model, self.group.rank(), self.group.size()
         max_seq_len = ctx.model.args.max_seq_len
         self.tasks = encode_tasks(tasks, ctx.tokenizer, max_seq_len, cfg.max_items)
         ctx.show_on_console(self, *(f"{name}/acc" for name in names))
@@ -91,6 +97,7 @@ class DownstreamEval:
             batch_size=self.config.batch_size,
             rank=self.rank,
             world_size=self.world_size,
+            group=self.group,
         )
         metrics = {}
         for name, result in scores.items():

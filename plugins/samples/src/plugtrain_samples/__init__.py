@@ -2,10 +2,11 @@
 
 At each validation, on the model's own weights (``validation_metrics`` with ``ctx.weights``
 None), every rank continues each prompt with :func:`plugtrain.plugin.complete`, the decoding
-loop ``plugtrain generate`` uses, on the model as it trains (FSDP2-sharded or not: every rank
-joins each forward, and all write the same tokens, greedy or from the same seed). The texts go
-into the validation record as ``samples/<i>`` (``metrics.jsonl``; TensorBoard text when
-enabled) and to the log on rank 0. The trainer reshards the model after the hook, so the
+loop ``plugtrain generate`` uses, on the model as it trains (FSDP2-sharded, tensor-parallel or
+neither: every rank joins each forward, and all write the same tokens, greedy or from the same
+seed; under tensor parallelism each reads the logits whole). The texts go into the validation
+record as ``samples/<i>`` (``metrics.jsonl``; TensorBoard text when enabled) and to the log on
+rank 0. The trainer reshards the model after the hook, so the
 generation leaves nothing behind.
 """
 
@@ -21,7 +22,6 @@ from plugtrain.plugin import (
     check_field,
     complete,
     hookimpl,
-    refuse_tensor_parallel,
 )
 
 __all__ = ["Samples", "SamplesConfig"]
@@ -67,7 +67,6 @@ class Samples:
     def setup(self, ctx: SetupContext) -> None:
         self.config = ctx.plugin_config(self)
         self.name, self.rank = ctx.name_of(self), ctx.rank
-        refuse_tensor_parallel(ctx.config, self.name)  # decoding reads whole logits
         self.model, self.tokenizer = ctx.model, ctx.tokenizer
         if not ctx.config.validation.interval:
             reason = "validation.interval is 0: no validation to write samples at"
