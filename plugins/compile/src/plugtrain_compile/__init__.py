@@ -85,7 +85,9 @@ class Compile:
         config: CompileConfig = ctx.plugin_config(self)
         ctx.register_compiler(self)
         name = ctx.name_of(self)
-        refuse_tensor_parallel(ctx.config, name)  # compiling DTensor blocks: not tested yet
+        # Under TP, torch 2.13's AOTAutograd (aot_eager, inductor) fails in a compiled block's
+        # backward: "'Tensor' object has no attribute '_local_tensor'" (CPU, gloo; tp 2).
+        refuse_tensor_parallel(ctx.config, name)
         on_cpu = config.backend == "inductor" and ctx.device.type == "cpu"
         if on_cpu and shutil.which(cpp_compiler()) is None:
             raise ConfigError(
