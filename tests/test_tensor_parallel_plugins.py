@@ -13,13 +13,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from plugtrain_downstream_eval import DownstreamEval
 from plugtrain_samples import Samples
 
 from plugtrain.cli import main
+from plugtrain.errors import UserError
 from plugtrain.evaluation import encode_tasks, loglikelihoods, read_task, score
 from plugtrain.generate import load
-from plugtrain.model import FLAVORS, complete
+from plugtrain.model import FLAVORS, complete, generate
 from plugtrain.plugin import ValidationContext, hookimpl
 from plugtrain.testing import (
     SAMPLE,
@@ -119,7 +121,14 @@ def validated(folder: Path) -> dict:
     sampled = complete(
         trainer.model, trainer.tokenizer, PROMPTS[0], NEW_TOKENS, temperature=1.0, seed=3
     )
+    too_long = None
+    try:  # the longest generation 1 process can make: TP's padding leaves no room for it
+        whole = trainer.model_args.max_seq_len - 1
+        generate(trainer.model, torch.zeros(1, 1, dtype=torch.long), whole)
+    except UserError as e:
+        too_long = str(e)
     return {
+        "too_long": too_long,
         "samples": samples.returned[STEPS],
         "downstream_eval": downstream.returned[STEPS],
         "sampled": sampled,
@@ -199,6 +208,16 @@ def test_downstream_scores_under_tensor_parallelism_are_one_process_scores(runs,
         print(f"rank {rank}: log-likelihoods, max difference {difference:.3g}")
         assert difference < LOGLIKELIHOOD_TOLERANCE, (rank, difference)
     assert runs["metrics"][f"downstream_eval/{name}/acc"] == expected.acc
+
+
+@pytest.mark.slow
+def test_a_generation_that_leaves_no_room_for_the_padding_is_refused_in_one_line(runs):
+    for result in runs["ranks"]:
+        assert result["validated"]["too_long"] == (
+            "a prompt of 1 tokens plus 63 new tokens does not fit the model's max_seq_len 64 "
+            "(less 1 for tensor parallelism's padding): give a prompt of 1 to 62 tokens and "
+            "fewer new tokens"
+        )
 
 
 def cli(*argv: str) -> str:

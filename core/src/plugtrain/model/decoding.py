@@ -79,7 +79,7 @@ def generate(
     padding = tensor_parallel_degree(model) - 1
     limit = max_seq_len - padding
     if prompt_len < 1 or prompt_len + max_new_tokens > limit:
-        padded = f" less {padding} positions of tensor-parallel padding" if padding else ""
+        padded = f" (less {padding} for tensor parallelism's padding)" if padding else ""
         raise UserError(
             f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens does not fit the "
             f"model's max_seq_len {max_seq_len}{padded}: give a prompt of 1 to {limit - 1} "
