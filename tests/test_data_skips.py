@@ -54,6 +54,9 @@ def test_the_skip_file_round_trips_and_a_damaged_one_is_one_line(tmp_path):
 
 
 class NoCheckpoint:
+    def wait(self) -> None:
+        pass
+
     def latest_at_most(self, at_most: int) -> int:
         raise CheckpointError(f"cannot rewind to step {at_most} or earlier")
 
@@ -68,3 +71,48 @@ def test_a_rewind_with_no_checkpoint_to_go_to_is_refused_before_it_is_recorded(t
     with pytest.raises(CheckpointError, match="cannot rewind to step 0"):
         requests.after_step()
     assert not (tmp_path / SKIP_FILE).exists()  # a restart does not retry it
+
+
+class Killed(Exception):
+    """A SIGKILL of the process, simulated."""
+
+
+class SaveInFlight:
+    """Checkpoints ``complete``, and an async save of ``in_flight`` that ``wait`` commits and a
+    kill loses; ``rewind`` is killed as it begins when ``kill`` is set."""
+
+    def __init__(self, complete: set[int], in_flight: int | None, kill: bool) -> None:
+        self.complete, self.in_flight, self.kill = complete, in_flight, kill
+
+    def wait(self) -> None:
+        if self.in_flight is not None:
+            self.complete.add(self.in_flight)
+            self.in_flight = None
+
+    def latest_at_most(self, at_most: int) -> int:
+        return max(s for s in self.complete if s <= at_most)
+
+    def rewind(self, at_most: int) -> int:
+        if self.kill:
+            raise Killed
+        self.wait()
+        return self.latest_at_most(at_most)
+
+
+def test_a_kill_during_a_rewind_restarts_to_the_checkpoint_saved_in_flight(tmp_path):
+    # A rewind asked while step-16's async save uploads goes to step-16; killed as it begins
+    # (before a restart can see that save), the restart must go there too, not to step-12.
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    control = RunControl()
+    killed = SaveInFlight({12}, in_flight=16, kill=True)
+    batches = SkippingLoader(Counting(), control.skip_ranges)
+    requests = RunRequests(control, batches, killed, tmp_path, world)
+    control.rewind(19, 17, 23, "guard", "spike")
+    with pytest.raises(Killed):
+        requests.after_step()
+    assert read_skip_file(tmp_path)[1] == Rewind(19, 17, 23, "guard", "spike")
+    restarted = RunControl()
+    checkpoints = SaveInFlight(set(killed.complete), in_flight=None, kill=False)
+    batches = SkippingLoader(Counting(), restarted.skip_ranges)
+    RunRequests(restarted, batches, checkpoints, tmp_path, world).resume()
+    assert [r.loaded_step for r in restarted.rewinds] == [16]

@@ -1,7 +1,8 @@
 """Carrying out the plugins' run requests (:class:`RunControl`): skipped batches and rewinds.
 
-Order of a rewind, so that a kill at any moment restarts into the same run: rank 0 writes
-``data_skips.json`` with the rewind as unfinished; every rank loads the checkpoint (later ones
+Order of a rewind, so that a kill at any moment restarts into the same run: a checkpoint save
+in flight (async) is committed first; rank 0 writes ``data_skips.json`` with the rewind as
+unfinished; every rank loads the checkpoint (later ones
 are then deleted); the loaded data position gives the first batch to skip; rank 0 writes the
 file again with the new range and no unfinished rewind. A restart that finds an unfinished
 rewind in the file does it instead of the usual resume.
@@ -58,7 +59,11 @@ class RunRequests:
             self.batches.add(skip)
             logger.warning("skipping batches %d-%d: %s", skip.first, skip.last, skip.reason)
         if rewind is not None:
-            # Before the file records the rewind, which a restart would otherwise retry.
+            # Before the file records the rewind: a restart that finishes it must find the
+            # checkpoints this process rewinds to, so the save in flight is committed first
+            # (else a kill while it uploads sends the restart to an older one).
+            self.checkpointer.wait()
+            # A rewind with nothing to go to is refused here, never retried by a restart.
             self.checkpointer.latest_at_most(rewind.to_step)
         if skips or rewind is not None:
             self._write(rewind)
