@@ -189,6 +189,9 @@ class Kill:
     resumed_step: int | None = None
     recovery_s: float | None = None
     """From the kill to the next completed step."""
+    finished: bool = False
+    """The run had no step left to train after it (a preemption near the end saves the last
+    step, and the same command again finds the run done): survived without a next step."""
 
 
 @dataclass
@@ -339,6 +342,9 @@ def soak(soak: Soak, plan: list[Kill], rewind_arms: dict[str, int], rng: random.
                 continue
             if rc != 0:
                 raise RuntimeError(f"torchrun ended with {rc}: see {soak.folder}.log")
+            ended_at = last_step(soak.folder)
+            for kill in done:
+                kill.finished = kill.recovery_s is None and ended_at == soak.steps
             break
         recovering = any(k.recovery_s is None for k in done)
         if pending and not recovering and step >= pending[0].target_step:
@@ -439,7 +445,7 @@ def figures(kills: list[dict]) -> dict[str, Any]:
         by_kind[k["kind"]] = by_kind.get(k["kind"], 0) + 1
     return {
         "kills_sent": len(kills),
-        "kills_survived": sum(k["recovery_s"] is not None for k in kills),
+        "kills_survived": sum(k["recovery_s"] is not None or k["finished"] for k in kills),
         "by_kind": by_kind,
         "steps_recomputed_mean": statistics.mean(recomputed) if recomputed else None,
         "steps_recomputed_max": max(recomputed, default=None),
