@@ -14,20 +14,9 @@ import torch.distributed.checkpoint as dcp
 from plugtrain.checkpoint.dcp_io import read_metadata
 from plugtrain.checkpoint.storage import DELETING, PARTIAL, LocalStorage
 from plugtrain.errors import CheckpointError
+from plugtrain.testing import SMALL_RUN_CONFIG, save_small_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-RUN_CONFIG = {"training": {"steps": 8}, "optimizer": {"lr": 0.003}}
-
-
-def save(storage: LocalStorage, step: int, commit: bool = True) -> dict[str, torch.Tensor]:
-    """Stage and write a small checkpoint of ``step`` in this one process, as a save does."""
-    state = {"w": torch.full((3,), float(step)), "train": {"step": torch.tensor(step)}}
-    storage.stage(step, RUN_CONFIG)
-    dcp.save(state, storage_writer=storage.writer(step), no_dist=True)
-    if commit:
-        storage.commit(step)
-    return state
 
 
 @pytest.fixture
@@ -44,10 +33,10 @@ def test_a_missing_folder_holds_nothing(storage):
 
 
 def test_a_committed_checkpoint_is_listed_and_reads_back(storage):
-    state = save(storage, 5)
+    state = save_small_checkpoint(storage, 5)
     assert storage.steps() == [5] and storage.exists(5)
     assert sorted(p.name for p in storage.location.iterdir()) == ["step-5"]
-    assert storage.read_config(5) == RUN_CONFIG
+    assert storage.read_config(5) == SMALL_RUN_CONFIG
     loaded = {"w": torch.zeros(3), "train": {"step": torch.tensor(0)}}
     dcp.load(loaded, storage_reader=storage.reader(5), no_dist=True)
     assert torch.equal(loaded["w"], state["w"]) and loaded["train"]["step"].item() == 5
@@ -56,8 +45,8 @@ def test_a_committed_checkpoint_is_listed_and_reads_back(storage):
 
 
 def test_a_staged_checkpoint_is_never_listed_until_committed(storage):
-    save(storage, 2)
-    save(storage, 4, commit=False)  # every shard and .metadata written: complete to DCP
+    save_small_checkpoint(storage, 2)
+    save_small_checkpoint(storage, 4, commit=False)  # shards, .metadata: complete to DCP
     assert (storage.location / f"step-4{PARTIAL}" / ".metadata").is_file()
     assert storage.steps() == [2] and not storage.exists(4)
     storage.commit(4)
@@ -66,7 +55,7 @@ def test_a_staged_checkpoint_is_never_listed_until_committed(storage):
 
 
 def test_staging_again_replaces_what_a_crash_left(storage):
-    save(storage, 3, commit=False)
+    save_small_checkpoint(storage, 3, commit=False)
     staged = storage.location / f"step-3{PARTIAL}"
     (staged / "left-by-a-crash").touch()
     storage.stage(3, {"other": 1})
@@ -75,9 +64,9 @@ def test_staging_again_replaces_what_a_crash_left(storage):
 
 
 def test_a_commit_never_replaces_a_complete_checkpoint(storage):
-    save(storage, 2)
+    save_small_checkpoint(storage, 2)
     (storage.where(2) / "mark").touch()
-    save(storage, 2, commit=False)
+    save_small_checkpoint(storage, 2, commit=False)
     with pytest.raises(FileExistsError):
         storage.commit(2)
     assert (storage.where(2) / "mark").is_file()
@@ -92,8 +81,8 @@ def test_committing_what_was_never_staged_is_an_error(storage):
 
 
 def test_discard_removes_the_staged_checkpoint_only_and_never_raises(storage):
-    save(storage, 2)
-    save(storage, 4, commit=False)
+    save_small_checkpoint(storage, 2)
+    save_small_checkpoint(storage, 4, commit=False)
     storage.discard(4)
     storage.discard(4)  # nothing left: still fine
     storage.discard(9)
@@ -102,7 +91,7 @@ def test_discard_removes_the_staged_checkpoint_only_and_never_raises(storage):
 
 def test_listing_is_by_step_and_ignores_everything_else(storage):
     for step in (10, 2, 100):
-        save(storage, step)
+        save_small_checkpoint(storage, step)
     for name in (f"step-5{PARTIAL}", f"step-6{DELETING}", "step-x", "other"):
         (storage.location / name).mkdir()
     (storage.location / "step-7").write_text("a file, not a checkpoint")
@@ -112,7 +101,7 @@ def test_listing_is_by_step_and_ignores_everything_else(storage):
 
 def test_delete_unlists_first_and_finishes_a_crashed_deletion(storage):
     for step in (1, 2):
-        save(storage, step)
+        save_small_checkpoint(storage, step)
     shutil.copytree(storage.where(1), storage.location / f"step-1{DELETING}")  # a crash's
     storage.delete(1)
     assert sorted(p.name for p in storage.location.iterdir()) == ["step-2"]
@@ -121,8 +110,8 @@ def test_delete_unlists_first_and_finishes_a_crashed_deletion(storage):
 
 
 def test_clean_removes_what_crashes_left(storage):
-    save(storage, 2)
-    save(storage, 4, commit=False)
+    save_small_checkpoint(storage, 2)
+    save_small_checkpoint(storage, 4, commit=False)
     (storage.location / f"step-1{DELETING}").mkdir()
     (storage.location / "notes.txt").write_text("kept")
     storage.clean()
@@ -140,8 +129,8 @@ def test_clean_removes_what_crashes_left(storage):
 )
 def test_prune_keeps_the_newest_k_up_to_the_step(storage, keep, up_to, deleted, left):
     for step in (1, 2, 3, 4, 6):
-        save(storage, step)
-    save(storage, 5, commit=False)  # a crash's leftover: always cleaned
+        save_small_checkpoint(storage, step)
+    save_small_checkpoint(storage, 5, commit=False)  # a crash's leftover: always cleaned
     assert storage.prune(keep, up_to) == deleted
     assert storage.steps() == left
     assert sorted(p.name for p in storage.location.iterdir()) == [f"step-{s}" for s in left]
@@ -153,7 +142,7 @@ def test_free_bytes_of_a_folder_not_created_yet(storage, tmp_path):
 
 
 def test_the_reader_never_unpickles_an_object(storage):
-    save(storage, 3)
+    save_small_checkpoint(storage, 3)
     (storage.where(3) / ".metadata").write_bytes(pickle.dumps(print))
     with pytest.raises(CheckpointError) as info:
         read_metadata(storage.where(3), storage.reader(3))
@@ -168,7 +157,7 @@ def test_the_reader_never_unpickles_an_object(storage):
 
 
 def test_a_config_that_cannot_be_read_is_an_os_or_value_error(storage):
-    save(storage, 3)
+    save_small_checkpoint(storage, 3)
     config = storage.where(3) / "config.json"
     config.write_text("{not json")
     with pytest.raises(ValueError):
@@ -182,5 +171,5 @@ def test_staging_under_a_file_is_an_os_error(tmp_path):
     (tmp_path / "file").write_text("")
     storage = LocalStorage(Path(tmp_path / "file" / "checkpoints"))
     with pytest.raises(OSError):
-        storage.stage(1, RUN_CONFIG)
+        storage.stage(1, SMALL_RUN_CONFIG)
     assert storage.steps() == []

@@ -13,22 +13,11 @@ from plugtrain.checkpoint.dcp_io import read_checkpoint
 from plugtrain.checkpoint.object_store import MARKER, FsspecStorage, open_storage
 from plugtrain.config import JobInfoConfig
 from plugtrain.errors import CheckpointError, ConfigError
-from plugtrain.testing import free_port
+from plugtrain.testing import SMALL_RUN_CONFIG, free_port, save_small_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-RUN_CONFIG = {"training": {"steps": 8}, "optimizer": {"lr": 0.003}}
 _prefixes = itertools.count()
-
-
-def save(storage: FsspecStorage, step: int, commit: bool = True) -> dict[str, torch.Tensor]:
-    """Stage and write a small checkpoint of ``step`` in this one process, as a save does."""
-    state = {"w": torch.full((3,), float(step)), "train": {"step": torch.tensor(step)}}
-    storage.stage(step, RUN_CONFIG)
-    dcp.save(state, storage_writer=storage.writer(step), no_dist=True)
-    if commit:
-        storage.commit(step)
-    return state
 
 
 @pytest.fixture
@@ -45,14 +34,14 @@ def objects(s3_server, storage: FsspecStorage) -> list[str]:
 
 def test_a_marked_checkpoint_is_listed_and_reads_back(s3_server, storage):
     assert storage.steps() == [] and not storage.exists(5)
-    state = save(storage, 5)
+    state = save_small_checkpoint(storage, 5)
     assert storage.location == f"{storage.url}/checkpoints"
     assert storage.where(5) == f"{storage.url}/checkpoints/step-5"
     assert storage.steps() == [5] and storage.exists(5)
     assert objects(s3_server, storage) == [
         f"step-5/{MARKER}", "step-5/.metadata", "step-5/__0_0.distcp", "step-5/config.json",
     ]  # fmt: skip
-    assert storage.read_config(5) == RUN_CONFIG
+    assert storage.read_config(5) == SMALL_RUN_CONFIG
     loaded = read_checkpoint(storage.where(5), reader=storage.reader(5))
     assert torch.equal(loaded["w"], state["w"]) and loaded["train.step"].item() == 5
     assert storage.size(5) == sum(
@@ -61,8 +50,8 @@ def test_a_marked_checkpoint_is_listed_and_reads_back(s3_server, storage):
 
 
 def test_an_unmarked_checkpoint_is_never_listed_and_is_cleaned(s3_server, storage):
-    save(storage, 2)
-    save(storage, 4, commit=False)  # every shard and .metadata written: complete to DCP
+    save_small_checkpoint(storage, 2)
+    save_small_checkpoint(storage, 4, commit=False)  # shards, .metadata: complete to DCP
     assert "step-4/.metadata" in objects(s3_server, storage)
     assert storage.steps() == [2] and not storage.exists(4)
     storage.clean()
@@ -72,7 +61,7 @@ def test_an_unmarked_checkpoint_is_never_listed_and_is_cleaned(s3_server, storag
 
 
 def test_staging_again_replaces_what_a_crash_left(s3_server, storage):
-    save(storage, 3, commit=False)
+    save_small_checkpoint(storage, 3, commit=False)
     s3_server.filesystem().pipe(f"{storage.root}/step-3/left-by-a-crash", b"x")
     storage.stage(3, {"other": 1})
     assert objects(s3_server, storage) == ["step-3/config.json"]
@@ -80,7 +69,7 @@ def test_staging_again_replaces_what_a_crash_left(s3_server, storage):
 
 
 def test_a_commit_never_replaces_a_complete_checkpoint(storage):
-    save(storage, 2)
+    save_small_checkpoint(storage, 2)
     with pytest.raises(FileExistsError, match="step-2 is already complete"):
         storage.commit(2)
     assert storage.steps() == [2]
@@ -88,8 +77,8 @@ def test_a_commit_never_replaces_a_complete_checkpoint(storage):
 
 def test_retention_deletes_only_marked_checkpoints_oldest_first(s3_server, storage):
     for step in (1, 2, 3):
-        save(storage, step)
-    save(storage, 4, commit=False)
+        save_small_checkpoint(storage, step)
+    save_small_checkpoint(storage, 4, commit=False)
     assert storage.prune(keep=2, up_to=3) == [1]
     assert storage.steps() == [2, 3]
     assert {p.split("/")[0] for p in objects(s3_server, storage)} == {"step-2", "step-3"}
@@ -97,20 +86,20 @@ def test_retention_deletes_only_marked_checkpoints_oldest_first(s3_server, stora
 
 
 def test_a_delete_unlists_before_it_removes(s3_server, storage):
-    save(storage, 1)
+    save_small_checkpoint(storage, 1)
     fs = s3_server.filesystem()
     fs.rm_file(f"{storage.root}/step-1/{MARKER}")  # a crash after unlisting, before removing
     assert storage.steps() == []
     storage.clean()
     assert objects(s3_server, storage) == []
-    save(storage, 2)
+    save_small_checkpoint(storage, 2)
     storage.delete(2)
     assert storage.steps() == [] and objects(s3_server, storage) == []
 
 
 def test_a_save_to_a_stopped_store_fails_after_its_retries_and_keeps_the_last(s3_server, storage):
-    save(storage, 1)
-    storage.stage(2, RUN_CONFIG)
+    save_small_checkpoint(storage, 1)
+    storage.stage(2, SMALL_RUN_CONFIG)
     s3_server.stop()
     try:
         with pytest.raises(dcp.CheckpointException, match="failed 2 times"):
