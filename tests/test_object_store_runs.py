@@ -1,23 +1,32 @@
 """Training runs with checkpoints on a real S3 server (127.0.0.1): resume bit for bit after a
 kill mid-upload, a store that fails mid-save, one that is unreachable at start, no secret
-written. One set of runs (the ``runs`` fixture) serves every assert of the first tests."""
+written; export-hf, generate, eval and the initial load reading the checkpoint from its URL.
+One set of runs (the ``runs`` fixture) serves every assert of the first tests."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from plugtrain.checkpoint import checkpoint_folder, complete_checkpoints, read_checkpoint
 from plugtrain.checkpoint.faults import FAULT_ENV
+from plugtrain.checkpoint.initial import open_initial_load
 from plugtrain.checkpoint.object_store import MARKER, open_storage
-from plugtrain.cli import train
+from plugtrain.cli import main, train
+from plugtrain.config import CheckpointConfig
 from plugtrain.errors import CheckpointError
+from plugtrain.generate import from_checkpoint, load
+from plugtrain.model import Transformer
 from plugtrain.plugin import hookimpl
 from plugtrain.testing import free_port, make_trainer, read_metrics, tiny_args
+from plugtrain.testing.hf import hf_llama_logits
 
 pytestmark = [
     pytest.mark.slow,
@@ -91,6 +100,51 @@ def test_the_run_records_say_where_the_checkpoints_went(runs):
     saved = "checkpoint step-2 saved in "
     assert saved in runs["killed"].stderr
     assert f"MiB: {runs['url']}/checkpoints/step-2\n" in runs["killed"].stderr
+
+
+def test_every_checkpoint_reader_takes_the_url_as_the_local_copy(runs, tmp_path, capsys):
+    # The S3 run's step-6 is bitwise the reference's (above): export-hf, generate, eval and the
+    # initial load give from its URLs (the dump folder's, the step's) what they give from disk.
+    url, reference = runs["url"], runs["reference"]
+    hf = tmp_path / "hf"
+    assert main(["export-hf", url, "-o", str(hf), "--dtype", "float32"]) == 0
+    tokens = torch.tensor([list(range(1, 33))])
+    model, _ = load(reference)
+    with torch.no_grad():
+        assert (hf_llama_logits(hf, tokens) - model(tokens)).abs().max().item() < 1e-5
+    paths = (url, f"{url}/checkpoints/step-{STEPS}", str(reference))
+    capsys.readouterr()
+    texts = [
+        main(["generate", path, "--prompt", "ROMEO:", "--max-new-tokens", "8"])
+        or capsys.readouterr().out
+        for path in paths
+    ]
+    assert texts[0] == texts[1] == texts[2] != ""
+    scores = []
+    for i, path in enumerate(paths):
+        out = tmp_path / f"scores{i}.json"
+        task = ["--tasks", "sample:cloze.jsonl", "--max-items", "8", "-o", str(out)]
+        assert main(["eval", path, *task]) == 0
+        scores.append(json.loads(out.read_text())["tasks"])
+    assert scores[0] == scores[1] == scores[2]
+    initial = open_initial_load(CheckpointConfig(initial_load_path=paths[1]))
+    initial.check(model, model.args, "tokenizer")
+    fresh = Transformer(model.args)
+    initial.load(fresh, None, model.args)
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in fresh.state_dict().items())
+    assert initial.record()["path"] == paths[1] and initial.record()["step"] == STEPS
+
+
+def test_a_url_without_a_complete_checkpoint_is_refused_in_one_line(s3_server):
+    unmarked = s3_server.url("unmarked/checkpoints/step-9")
+    s3_server.filesystem().pipe(f"{unmarked.removeprefix('s3://')}/.metadata", b"")
+    for path, message in (
+        (unmarked, "is no complete checkpoint (it has no .committed marker"),
+        (s3_server.url("unmarked"), "no complete checkpoint at 's3://"),
+    ):
+        with pytest.raises(CheckpointError, match=re.escape(message)) as e:
+            from_checkpoint(path)
+        assert "\n" not in str(e.value)
 
 
 def test_no_credential_is_written_anywhere(runs, s3_server):

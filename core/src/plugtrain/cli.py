@@ -156,7 +156,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         "> 0 samples.",
     )
     gen.add_argument(
-        "path", metavar="PATH", help="a run's dump folder, a step-N folder or a Hugging Face one"
+        "path",
+        metavar="PATH",
+        help="a run's dump folder or step-N folder (or its s3:// URL), or a Hugging Face folder",
     )
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument(
@@ -196,7 +198,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "over the processes. Prints a table; -o writes the scores as JSON.",
     )
     ev.add_argument(
-        "path", metavar="PATH", help="a run's dump folder, a step-N folder or a Hugging Face one"
+        "path",
+        metavar="PATH",
+        help="a run's dump folder or step-N folder (or its s3:// URL), or a Hugging Face folder",
     )
     ev.add_argument(
         "--tasks", nargs="+", required=True, metavar="FILE",
@@ -318,7 +322,9 @@ def command(argv: list[str]) -> int:
         "with no other file. Reads one tensor at a time; written to OUT.partial and renamed "
         "when complete.",
     )
-    export.add_argument("path", metavar="PATH", help="a run's dump folder or a step-N folder")
+    export.add_argument(
+        "path", metavar="PATH", help="a run's dump folder or a step-N folder, or its s3:// URL"
+    )
     export.add_argument("-o", "--output", required=True, help="the folder to write")
     export.add_argument(
         "--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),

@@ -4,9 +4,10 @@ Each kind of input has a loader that returns ``(ModelArgs, state_dict, Tokenizer
 dict keyed by the model's own parameter names (``layers.0.attention.wq.weight``):
 
 * :func:`from_checkpoint`: a run's dump folder (its latest complete checkpoint) or a
-  ``step-N/`` folder. Only the model's tensors are read from DCP (or, with ``weights="ema"``,
-  the ema plugin's average of them, by key, without importing the plugin); the shape is the
-  run config's flavor with the tokenizer's vocabulary, as the trainer builds it.
+  ``step-N/`` folder, local or at an ``s3://`` URL. Only the model's tensors are read from DCP
+  (or, with ``weights="ema"``, the ema plugin's average of them, by key, without importing the
+  plugin); the shape is the run config's flavor with the tokenizer's vocabulary, as the
+  trainer builds it.
 * :func:`from_hf_folder`: a Hugging Face Llama folder (``plugtrain export-hf``'s, or any whose
   ``config.json`` plugtrain's model can express): its safetensors files, with the q/k rows put
   back into plugtrain's RoPE layout, and its ``tokenizer.json``.
@@ -27,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from plugtrain import sample
 from plugtrain.checkpoint import WEIGHTS, open_checkpoint, read_checkpoint
+from plugtrain.config import is_url
 from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, UserError, one_line
 from plugtrain.model import ModelArgs, Transformer, complete, from_hf, model_args_from_hf
@@ -41,7 +43,7 @@ Loaded = tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer]
 
 
 def from_checkpoint(
-    path: Path, weights: str = "model", tokenizer_path: str | None = None
+    path: str | os.PathLike[str], weights: str = "model", tokenizer_path: str | None = None
 ) -> Loaded:
     """Load a plugtrain checkpoint (dump folder or ``step-N/``) for inference, on the CPU.
 
@@ -52,7 +54,7 @@ def from_checkpoint(
     saved.tensors(weights)  # refuses a checkpoint without that weight set
     prefix = WEIGHTS[weights]
     try:
-        tensors = read_checkpoint(saved.folder, prefix)
+        tensors = read_checkpoint(saved.folder, prefix, saved.source.reader())
     except UserError:
         raise
     except (Exception, dcp.CheckpointException) as e:  # the latter is no Exception
@@ -62,8 +64,11 @@ def from_checkpoint(
     return saved.args, {key.removeprefix(prefix): t for key, t in tensors.items()}, saved.tokenizer
 
 
-def is_hf_folder(path: Path) -> bool:
-    """Whether ``path`` is a Hugging Face model folder (safetensors weights and a config)."""
+def is_hf_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a local Hugging Face model folder (safetensors weights and a config)."""
+    if is_url(path):
+        return False
+    path = Path(path)
     return (path / "config.json").is_file() and any(
         (path / name).is_file() for name in (HF_WEIGHTS, f"{HF_WEIGHTS}.index.json")
     )
@@ -102,7 +107,9 @@ def from_hf_folder(path: Path, tokenizer_path: str | None = None) -> Loaded:
     return args, state_dict, Tokenizer.from_file(tokenizer)
 
 
-def _build(args: ModelArgs, state_dict: dict[str, torch.Tensor], source: Path) -> Transformer:
+def _build(
+    args: ModelArgs, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str]
+) -> Transformer:
     """The model of shape ``args`` holding ``state_dict``, in float32 on the CPU, for inference."""
     model = Transformer(args)
     wanted = model.state_dict()
@@ -129,11 +136,10 @@ def load(
 ) -> tuple[Transformer, Tokenizer]:
     """The model saved at ``path`` (any input kind a loader reads), on ``device``, and its
     tokenizer."""
-    path = Path(path)
     if is_hf_folder(path):
         if weights != "model":
             raise ConfigError(f"--weights {weights} reads a plugtrain checkpoint, not '{path}'")
-        args, state_dict, tokenizer = from_hf_folder(path, tokenizer_path)
+        args, state_dict, tokenizer = from_hf_folder(Path(path), tokenizer_path)
     else:
         args, state_dict, tokenizer = from_checkpoint(path, weights, tokenizer_path)
     return _build(args, state_dict, path).to(device), tokenizer
@@ -151,12 +157,12 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _tokenizer_file(path: Path, tokenizer_path: str | None) -> Path:
+def _tokenizer_file(path: str | os.PathLike[str], tokenizer_path: str | None) -> Path:
     """The tokenizer.json a loaded model uses: ``--tokenizer``, the HF folder's or the run's."""
     if tokenizer_path:
         return sample.resolve(tokenizer_path)
     if is_hf_folder(path):
-        return path / "tokenizer.json"
+        return Path(path) / "tokenizer.json"
     return open_checkpoint(path, None).tokenizer_path
 
 
@@ -173,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load(args.path, _device(args.device), args.weights, args.tokenizer)
     prompt_ids = stop_id = None
     if args.chat:  # the prompt is a user's message, rendered with the model's chat template
-        template = ChatTemplate.for_tokenizer(_tokenizer_file(Path(args.path), args.tokenizer))
+        template = ChatTemplate.for_tokenizer(_tokenizer_file(args.path, args.tokenizer))
         messages = [{"role": "user", "content": args.prompt}]
         prompt_ids = tokenizer.encode(template.render(messages, add_generation_prompt=True))
         stop_id = (tokenizer.encode(template.reply_end()) or [tokenizer.eos_id])[0]

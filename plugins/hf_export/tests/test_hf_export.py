@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from plugtrain_hf_export import HfExport
 
 from plugtrain.plugin import ConfigError
-from plugtrain.testing import tiny_run
+from plugtrain.testing import setup_context, tiny_run
 
 NAME = "hf_export"
 
@@ -62,6 +63,22 @@ def test_last_only_float32_ema_and_shards(tmp_path):
 def test_ema_weights_need_the_ema_plugin(tmp_path):
     with pytest.raises(ConfigError, match=r"'hf_export.weights' is 'ema', but the ema plugin"):
         tiny_run(tmp_path, "--plugins.enabled", NAME, f"--{NAME}.weights", "ema", steps=1)
+
+
+def test_a_url_dump_folder_is_refused_in_one_line(tmp_path):
+    url, plugin = "s3://bucket/run", HfExport()
+    ctx = setup_context(
+        {NAME: plugin},
+        "--plugins.enabled",
+        NAME,
+        "--job.dump_folder",
+        url,
+        "--job.local_folder",
+        "x",
+    )
+    with pytest.raises(ConfigError, match=rf"{NAME}' writes step-<N>/hf/ .* {url} is a URL") as e:
+        plugin.setup(ctx)
+    assert f"plugtrain export-hf {url} -o FOLDER" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner
+from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner
 from plugtrain.checkpoint.saved import WEIGHTS, open_checkpoint
 from plugtrain.data import BOS_TOKEN, DEFAULT_CHAT_TEMPLATE, EOS_TOKEN, ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
@@ -68,7 +68,7 @@ def export_checkpoint(
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
     tokenizer: str | os.PathLike[str] | None = None,
-) -> tuple[Path, torch.dtype]:
+) -> tuple[Path | str, torch.dtype]:
     """Write checkpoint ``path`` (a dump folder or a ``step-N/`` folder, see
     :func:`~plugtrain.checkpoint.saved.open_checkpoint`) as a Hugging Face folder ``out``,
     reading one tensor at a time; returns the checkpoint folder exported and the dtype written.
@@ -104,7 +104,7 @@ def export_checkpoint(
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.load(
                     {prefix + name: tensor},
-                    storage_reader=SafeFileSystemReader(folder),
+                    storage_reader=saved.source.reader(),
                     planner=TensorOnlyLoadPlanner(),
                     no_dist=True,
                 )

@@ -2,9 +2,11 @@
 
 In place of ``init_weights``, with AdamW's state too on request.
 
-``checkpoint.initial_load_path`` names either. It applies on a fresh start only: a dump folder
-that holds complete checkpoints resumes from them instead (:func:`initial_load_ignored` says
-why), since the run it continues already started from the load.
+``checkpoint.initial_load_path`` names either (a checkpoint also as an object store URL,
+``s3://bucket/prefix[/checkpoints/step-N]``, read as ``plugtrain.checkpoint.saved`` reads one).
+It applies on a fresh start only: a dump folder that holds complete checkpoints resumes from
+them instead (:func:`initial_load_ignored` says why), since the run it continues already
+started from the load.
 
 Either way the tensors go straight into the sharded model and no process holds the whole
 model. A Hugging Face folder (``config.json`` and ``model.safetensors``, or shards listed by
@@ -29,6 +31,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +51,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
-from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, TensorOnlyLoadPlanner, flat_keys
+from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner, flat_keys
 from plugtrain.checkpoint.layout import CONFIG, STEP_DIR
 from plugtrain.checkpoint.object_store import open_storage
-from plugtrain.config import CheckpointConfig
+from plugtrain.checkpoint.saved import CheckpointFolder, locate_checkpoint
+from plugtrain.config import CheckpointConfig, is_url
 from plugtrain.errors import CheckpointError, one_line
 from plugtrain.model import ModelArgs, from_hf, model_args_from_hf, to_hf
 
@@ -84,15 +88,11 @@ def initial_load_ignored(config: CheckpointConfig, dump_folder: str | os.PathLik
     )
 
 
-def _refuse(path: Path, why: str) -> CheckpointError:
+def _refuse(path: Path | str, why: str) -> CheckpointError:
     return CheckpointError(
         f"{_KEY} '{path}' {why}: give a Hugging Face model folder (config.json and "
         "model.safetensors or model.safetensors.index.json) or a plugtrain step-N checkpoint folder"
     )
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @dataclass
@@ -101,7 +101,8 @@ class InitialLoad:
 
     kind: str
     """``hf`` (a Hugging Face folder) or ``plugtrain`` (a ``step-N/`` checkpoint)."""
-    path: Path
+    path: Path | str
+    """The folder, or a checkpoint's URL."""
     config: dict[str, Any]
     """Its ``config.json``: the Hugging Face model's, or the saving run's resolved config."""
     model_only: bool
@@ -111,16 +112,22 @@ class InitialLoad:
     """The stored tensors' shapes, by name (Hugging Face's, or the DCP key)."""
     metadata: Metadata | None = None
     """plugtrain: the checkpoint's DCP metadata."""
+    source: CheckpointFolder | None = None
+    """plugtrain: the checkpoint, to read it."""
 
     def record(self) -> dict[str, Any]:
         """What the run started from, for ``run.json``."""
-        out: dict[str, Any] = {"kind": self.kind, "path": str(self.path.resolve())}
-        if self.kind == "hf":
+        where = self.path if isinstance(self.path, str) else str(self.path.resolve())
+        out: dict[str, Any] = {"kind": self.kind, "path": where}
+        if self.source is None:
+            assert isinstance(self.path, Path)
             out["model"] = self.config.get("_name_or_path") or self.path.resolve().name
+            config = (self.path / CONFIG).read_bytes()
         else:
-            match = STEP_DIR.fullmatch(self.path.resolve().name)
+            match = STEP_DIR.fullmatch(where.rpartition("/")[2])
             out["step"] = int(match[1]) if match else None
-        out["config_sha256"] = _sha256(self.path / CONFIG)
+            config = self.source.read_file(CONFIG)
+        out["config_sha256"] = hashlib.sha256(config).hexdigest()
         out["model_only"] = self.model_only
         return out
 
@@ -236,7 +243,7 @@ class InitialLoad:
             target.copy_(block[wanted - low].to(target.dtype))
 
     def _load_plugtrain(self, model: nn.Module, optimizer: Optimizer | None) -> None:
-        assert self.metadata is not None
+        assert self.metadata is not None and self.source is not None
         if self.model_only:
             state: dict[str, Any] = {"model": get_model_state_dict(model)}
         else:
@@ -253,7 +260,7 @@ class InitialLoad:
         try:
             dcp.load(
                 state,
-                storage_reader=SafeFileSystemReader(self.path),
+                storage_reader=self.source.reader(),
                 planner=TensorOnlyLoadPlanner(),
             )
         except (Exception, dcp.CheckpointException) as e:
@@ -273,13 +280,14 @@ class InitialLoad:
 # ---------------------------------------------------------------------- opening a source
 
 
-def _read_json(path: Path, folder: Path) -> dict[str, Any]:
+def _read_json(read: Callable[[], bytes], name: str, folder: Path | str) -> dict[str, Any]:
+    """The JSON object of file ``name`` of ``folder`` (``read`` gives its bytes)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read())
     except (OSError, ValueError) as e:
-        raise _refuse(folder, f"has a damaged {path.name} ({one_line(e)})") from e
+        raise _refuse(folder, f"has a damaged {name} ({one_line(e)})") from e
     if not isinstance(data, dict):
-        raise _refuse(folder, f"has a damaged {path.name} (not a JSON object)")
+        raise _refuse(folder, f"has a damaged {name} (not a JSON object)")
     return data
 
 
@@ -290,7 +298,7 @@ def _open_hf(path: Path, config: dict[str, Any], model_only: bool) -> InitialLoa
             "checkpoint.initial_load_model_only = true, or give a plugtrain step-N folder"
         )
     if (path / HF_INDEX).is_file():
-        weight_map = _read_json(path / HF_INDEX, path).get("weight_map")
+        weight_map = _read_json((path / HF_INDEX).read_bytes, HF_INDEX, path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise _refuse(path, f"has a damaged {HF_INDEX} (no weight_map)")
         names = sorted(set(weight_map.values()))
@@ -313,12 +321,13 @@ def _open_hf(path: Path, config: dict[str, Any], model_only: bool) -> InitialLoa
     return InitialLoad("hf", path, config, model_only, files=files, shapes=shapes)
 
 
-def _open_plugtrain(path: Path, model_only: bool) -> InitialLoad:
+def _open_plugtrain(source: CheckpointFolder, model_only: bool) -> InitialLoad:
+    path = source.location
     try:
-        metadata = SafeFileSystemReader(path).read_metadata()
+        metadata = source.reader().read_metadata()
     except Exception as e:
         raise _refuse(path, f"has a damaged .metadata ({one_line(e)})") from e
-    config = _read_json(path / CONFIG, path)
+    config = _read_json(lambda: source.read_file(CONFIG), CONFIG, path)
     shapes = {
         key: tuple(md.size)
         for key, md in metadata.state_dict_metadata.items()
@@ -329,19 +338,29 @@ def _open_plugtrain(path: Path, model_only: bool) -> InitialLoad:
             f"{_KEY} '{path}' holds no optimizer state (saved before the optimizer's first "
             "step): set checkpoint.initial_load_model_only = true"
         )
-    return InitialLoad("plugtrain", path, config, model_only, shapes=shapes, metadata=metadata)
+    return InitialLoad(
+        "plugtrain", path, config, model_only, shapes=shapes, metadata=metadata, source=source
+    )
 
 
 def open_initial_load(config: CheckpointConfig) -> InitialLoad:
     """The checked source ``checkpoint.initial_load_path`` names (headers and metadata only
     are read); a one-line :class:`CheckpointError` for a missing or damaged folder."""
+    if is_url(config.initial_load_path):
+        try:
+            source = locate_checkpoint(config.initial_load_path, config.endpoint_url)
+        except CheckpointError as e:  # a Hugging Face folder is read from the local disk only
+            raise CheckpointError(f"{_KEY}: {e}") from e
+        return _open_plugtrain(source, config.initial_load_model_only)
     path = Path(config.initial_load_path)
     if not path.is_dir():
         raise _refuse(path, "does not exist" if not path.exists() else "is not a folder")
     if (path / ".metadata").is_file():
-        return _open_plugtrain(path, config.initial_load_model_only)
+        return _open_plugtrain(locate_checkpoint(path), config.initial_load_model_only)
     if STEP_DIR.fullmatch(path.name):
         raise _refuse(path, "is a step-N folder without .metadata (an incomplete checkpoint)")
     if not (path / CONFIG).is_file():
         raise _refuse(path, "has no config.json")
-    return _open_hf(path, _read_json(path / CONFIG, path), config.initial_load_model_only)
+    return _open_hf(
+        path, _read_json((path / CONFIG).read_bytes, CONFIG, path), config.initial_load_model_only
+    )

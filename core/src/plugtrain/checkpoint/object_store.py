@@ -266,8 +266,12 @@ class FsspecStorage(CheckpointStorage):
         return reader
 
     def read_config(self, step: int) -> dict[str, Any]:
-        path = f"{self._prefix(step)}/{CONFIG}"
-        return json.loads(self._retry(f"download of {path}", lambda: self.fs.cat_file(path)))
+        return json.loads(self.read_file(step, CONFIG))
+
+    def read_file(self, step: int, name: str) -> bytes:
+        """The object ``name`` of the checkpoint of ``step`` (its ``config.json``)."""
+        path = f"{self._prefix(step)}/{name}"
+        return self._retry(f"download of {self.where(step)}/{name}", lambda: self.fs.cat_file(path))
 
     def size(self, step: int) -> int:
         prefix = self._prefix(step)

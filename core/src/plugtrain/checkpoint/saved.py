@@ -1,30 +1,50 @@
 """A saved checkpoint read back outside training: its folder, its run's config, model and weights.
 
-``plugtrain export-hf`` and ``plugtrain generate`` take the same paths (a run's dump folder, its
-latest complete checkpoint then, or one ``step-N/`` folder), rebuild the same model shape (the
-run's flavor with its tokenizer's vocabulary, as the trainer builds it) and refuse the same bad
+``plugtrain export-hf``, ``eval``, ``generate`` and ``checkpoint.initial_load_path`` take the
+same paths (a run's dump folder, its latest complete checkpoint then, or one ``step-N/``
+folder; or the same on an object store, ``s3://bucket/prefix`` or
+``s3://bucket/prefix/checkpoints/step-N``), found by :func:`locate_checkpoint` and read through
+its :class:`CheckpointFolder` whatever the medium; they rebuild the same model shape (the run's
+flavor with its tokenizer's vocabulary, as the trainer builds it) and refuse the same bad
 input, each in one line naming the path and the fix.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plugtrain import sample
-from plugtrain.checkpoint.dcp_io import read_metadata
-from plugtrain.checkpoint.layout import CONFIG, STEP_DIR, checkpoint_folder, complete_checkpoints
-from plugtrain.config import ModelConfig, build_section
+from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, read_metadata
+from plugtrain.checkpoint.layout import (
+    CHECKPOINTS,
+    CONFIG,
+    STEP_DIR,
+    checkpoint_folder,
+    complete_checkpoints,
+)
+from plugtrain.checkpoint.object_store import MARKER, FsspecStorage
+from plugtrain.config import ModelConfig, build_section, check_url, is_url
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
 from plugtrain.model import FLAVORS, ModelArgs
 
-__all__ = ["WEIGHTS", "SavedCheckpoint", "find_checkpoint", "open_checkpoint"]
+__all__ = [
+    "WEIGHTS",
+    "CheckpointFolder",
+    "SavedCheckpoint",
+    "find_checkpoint",
+    "locate_checkpoint",
+    "open_checkpoint",
+]
 
 WEIGHTS = {"model": "model.", "ema": "plugins.ema.average."}
 """The weight sets a checkpoint may hold, by the DCP key prefix of their tensors: the model's,
@@ -52,23 +72,83 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 
 @dataclass(frozen=True)
-class SavedCheckpoint:
-    """One checkpoint folder, with the model shape and tokenizer of the run that saved it."""
+class CheckpointFolder:
+    """One checkpoint, on the local disk or in an object store: what reading it takes."""
 
-    folder: Path
+    location: Path | str
+    """Its folder, or the URL of its prefix (for messages and records)."""
+    reader: Callable[[], StorageReader]
+    """A fresh safe DCP reader of it (``dcp_io.SafeMetadata``)."""
+    read_file: Callable[[str], bytes]
+    """The bytes of one of its files, by name (its ``config.json``)."""
+
+
+def locate_checkpoint(path: str | os.PathLike[str], endpoint_url: str = "") -> CheckpointFolder:
+    """The checkpoint ``path`` names, as :func:`find_checkpoint` finds it; or, for a URL, a
+    complete (marked) ``.../checkpoints/step-N`` prefix, or the latest complete checkpoint of
+    the run whose ``job.dump_folder`` the URL is (``endpoint_url``: an S3-compatible store's,
+    else the AWS chain's). One-line :class:`CheckpointError` if there is none."""
+    if not is_url(path):
+        folder = find_checkpoint(path)
+        return CheckpointFolder(
+            folder,
+            functools.partial(SafeFileSystemReader, folder),
+            lambda n: (folder / n).read_bytes(),
+        )
+    url = os.fspath(path).rstrip("/")
+    check_url(url, "checkpoint")
+    head, _, leaf = url.rpartition("/")
+    step_dir = STEP_DIR.fullmatch(leaf) if head.endswith(f"/{CHECKPOINTS}") else None
+    storage = FsspecStorage(
+        (head if step_dir else url).removesuffix(f"/{CHECKPOINTS}"), endpoint_url
+    )
+    storage.check()
+    try:
+        steps = [int(step_dir[1])] if step_dir else storage.steps()
+        if step_dir and not storage.exists(steps[0]):
+            raise CheckpointError(
+                f"'{url}' is no complete checkpoint (it has no {MARKER} marker: being written, "
+                "or left by a crash): give a complete step-N prefix or the run's dump folder URL"
+            )
+    except OSError as e:
+        raise CheckpointError(f"cannot list '{url}': {one_line(e)}") from e
+    if not steps:
+        raise CheckpointError(
+            f"no complete checkpoint at '{url}': give a run's dump folder URL (job.dump_folder, "
+            "trained with --checkpoint.enable true) or one complete .../checkpoints/step-N prefix"
+        )
+    step = steps[-1]
+    return CheckpointFolder(
+        storage.where(step),
+        functools.partial(storage.reader, step),
+        functools.partial(storage.read_file, step),
+    )
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """One checkpoint, with the model shape and tokenizer of the run that saved it."""
+
+    source: CheckpointFolder
     config: dict[str, Any]
     """The resolved config of the run that saved it (its ``config.json``)."""
     args: ModelArgs
     tokenizer_path: Path
     tokenizer: Tokenizer
 
+    @property
+    def folder(self) -> Path | str:
+        """Its folder, or the URL of its prefix."""
+        return self.source.location
+
     def tensors(self, weights: str) -> dict[str, TensorStorageMetadata]:
         """The stored tensors of weight set ``weights`` (see :data:`WEIGHTS`), by parameter
         name, as DCP's metadata describes them (nothing is read)."""
         prefix = WEIGHTS[weights]
+        metadata = read_metadata(self.folder, self.source.reader()).state_dict_metadata
         stored = {
             key.removeprefix(prefix): md
-            for key, md in read_metadata(self.folder).state_dict_metadata.items()
+            for key, md in metadata.items()
             if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
         }
         if not stored:
@@ -84,13 +164,16 @@ class SavedCheckpoint:
 
 
 def open_checkpoint(
-    path: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    tokenizer: str | os.PathLike[str] | None = None,
+    endpoint_url: str = "",
 ) -> SavedCheckpoint:
-    """The checkpoint ``path`` names (:func:`find_checkpoint`); ``tokenizer`` replaces the
+    """The checkpoint ``path`` names (:func:`locate_checkpoint`); ``tokenizer`` replaces the
     tokenizer.json its run's config names (one the run read from elsewhere)."""
-    folder = find_checkpoint(path)
+    source = locate_checkpoint(path, endpoint_url)
+    folder = source.location
     try:
-        config = json.loads((folder / CONFIG).read_text())
+        config = json.loads(source.read_file(CONFIG))
         flavor, seq_len = config["model"]["flavor"], config["training"]["seq_len"]
         named = config["model"]["tokenizer_path"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -119,4 +202,4 @@ def open_checkpoint(
             "use the plugtrain that trained it"
         ) from e
     args = model.model_args(loaded.vocab_size, seq_len)
-    return SavedCheckpoint(folder, config, args, tokenizer_path, loaded)
+    return SavedCheckpoint(source, config, args, tokenizer_path, loaded)

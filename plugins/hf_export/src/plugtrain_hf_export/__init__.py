@@ -5,7 +5,8 @@ The folder is what ``plugtrain export-hf step-<N>`` writes, byte for byte: ``mod
 ``transformers.LlamaForCausalLM`` and ``AutoTokenizer`` with no other file. Rank 0 reads the
 committed checkpoint one tensor at a time, so the export holds one tensor in memory, needs no
 collective, and exports what was saved at step N even when an asynchronous save lets training
-move on before ``checkpoint_saved`` fires.
+move on before ``checkpoint_saved`` fires. A ``job.dump_folder`` on an object store (a URL) is
+refused: ``plugtrain export-hf`` reads its checkpoints there into a local folder.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ class HfExport:
         self.rank = ctx.rank
         self.export = ctx.export_hf
         self.last_step = ctx.config.training.steps
+        url = ctx.config.job.dump_folder
+        if "://" in url:  # its folders go beside a checkpoint's files, which a URL has not
+            raise ConfigError(
+                f"plugin '{ctx.name_of(self)}' writes step-<N>/hf/ beside each checkpoint, but "
+                f"job.dump_folder {url} is a URL: disable the plugin and run "
+                f"'plugtrain export-hf {url} -o FOLDER' once the run has saved"
+            )
         if self.config.weights == "ema" and "ema" not in ctx.config.plugins.enabled:
             raise ConfigError(
                 f"config key '{ctx.name_of(self)}.weights' is 'ema', but the ema plugin is not "
