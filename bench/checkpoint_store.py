@@ -86,6 +86,9 @@ def main() -> None:
             "s3 (moto, loopback)": FsspecStorage(server.url("bench"), server.endpoint),
             "local disk": LocalStorage(Path(tmp) / "checkpoints"),
         }
+        # moto joins a multipart upload's parts in Python while the completing request waits:
+        # over botocore's 60 s read timeout for a GB-sized shard on a loaded machine.
+        stores["s3 (moto, loopback)"].fs.config_kwargs["read_timeout"] = 900
         for name, params in models:
             state = state_of(params)
             mb = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
