@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
 
 from plugtrain.plugin import OptimizerContext, check_field, hookimpl, refuse_tensor_parallel
 from plugtrain_muon.optimizer import AdjustLR, MuonAdamW, lr_ratio, orthogonalize
 
 __all__ = ["MuonAdamW", "MuonConfig", "MuonPlugin", "lr_ratio", "orthogonalize"]
+
+
+NSDtype = Literal["bfloat16", "float32"]
 
 
 @dataclass
@@ -37,6 +43,11 @@ class MuonConfig:
     """How each matrix's LR is scaled by its shape: ``original`` (Keller Jordan's),
     sqrt(max(1, rows / cols)); ``match_rms_adamw`` (Moonshot's), 0.2 sqrt(max(rows, cols)),
     for which AdamW's LR and weight decay carry over."""
+    ns_dtype: NSDtype = "bfloat16"
+    """Dtype of the Newton-Schulz iteration and of its all-gather: ``bfloat16`` (torch's
+    ``Muon``); ``float32`` keeps 2 and 4 data-parallel processes within fp32 rounding of 1
+    (bfloat16 rounds their gradients' last-bit differences to whole bfloat16 steps) for
+    twice the gather bytes and, on accelerators, slower matmuls."""
     adamw_params: list[str] = field(default_factory=lambda: ["tok_embeddings", "output"])
     """Parts of the names of 2-D parameters trained with AdamW, not Muon (the embedding and
     the output projection: Muon is for hidden matrices). Non-2-D parameters always are."""
@@ -89,4 +100,9 @@ class MuonPlugin:
             for ps, wd in ((decayed, core.weight_decay), (exempt, 0.0))
             if ps
         ]
-        return MuonAdamW([muon], adamw_groups, adjust_lr_fn=cfg.adjust_lr_fn)
+        return MuonAdamW(
+            [muon],
+            adamw_groups,
+            adjust_lr_fn=cfg.adjust_lr_fn,
+            ns_dtype=getattr(torch, cfg.ns_dtype),
+        )

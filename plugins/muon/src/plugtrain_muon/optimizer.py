@@ -1,10 +1,11 @@
 """The ``MuonAdamW`` optimizer: Muon on 2-D matrices, fused AdamW on the rest, veto on device.
 
 Muon (Keller Jordan's) keeps a momentum buffer per matrix and steps each matrix along the
-orthogonalised momentum, computed by a Newton-Schulz iteration in bfloat16. The iteration is
-not elementwise: on an FSDP2 ``Shard(0)`` shard it would orthogonalise the rows a rank holds,
-not the matrix. So each matrix's bfloat16 update is all-gathered over the shards, every rank
-runs the iteration on the full matrix (the same bits on every rank), and keeps its own rows.
+orthogonalised momentum, computed by a Newton-Schulz iteration in bfloat16 (torch's; float32
+on request). The iteration is not elementwise: on an FSDP2 ``Shard(0)`` shard it would
+orthogonalise the rows a rank holds, not the matrix. So each matrix's update, cast to the
+iteration's dtype, is all-gathered over the shards, every rank runs the iteration on the full
+matrix (the same bits on every rank), and keeps its own rows.
 
 Why not ``torch.optim.Muon``: it reads a tensor learning rate with ``.item()`` (a host sync
 every step), takes no ``found_inf`` (a device veto would cost another), and would run the
@@ -32,12 +33,16 @@ NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 
 
 def orthogonalize(
-    m: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float
+    m: Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
     """``m``'s nearest semi-orthogonal matrix, roughly (singular values in about [0.5, 1.5]),
-    by ``steps`` quintic Newton-Schulz iterations in bfloat16, on the wide orientation."""
+    by ``steps`` quintic Newton-Schulz iterations in ``dtype``, on the wide orientation."""
     a, b, c = coefficients
-    x = m.bfloat16()
+    x = m.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
@@ -88,6 +93,9 @@ class MuonAdamW(Optimizer):
     ``found_inf`` nonzero no parameter and no state changes, decided on the device with no
     host read. The state is one ``momentum_buffer`` per matrix (a DTensor like its parameter,
     so checkpoints reshard it) and AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``.
+    ``ns_dtype`` is the Newton-Schulz iteration's dtype: bfloat16 as torch's ``Muon``, or
+    float32, whose updates do not turn the last-bit differences of data-parallel gradients
+    into whole bfloat16 steps (``tests/test_distributed.py``).
     """
 
     _step_supports_amp_scaling = True
@@ -99,6 +107,7 @@ class MuonAdamW(Optimizer):
         *,
         adjust_lr_fn: AdjustLR = "original",
         ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         muon_groups = [{**g, "muon": True} for g in muon_groups]
         for group in muon_groups:
@@ -108,6 +117,7 @@ class MuonAdamW(Optimizer):
         # torch's AdamW fills in its defaults; its groups are this optimizer's AdamW groups.
         self._adamw = torch.optim.AdamW([{**g, "muon": False} for g in adamw_groups], fused=True)
         self.adjust_lr_fn, self.ns_coefficients = adjust_lr_fn, ns_coefficients
+        self.ns_dtype = ns_dtype
         super().__init__([*muon_groups, *self._adamw.param_groups], defaults={})
 
     @torch.no_grad()
@@ -143,10 +153,12 @@ class MuonAdamW(Optimizer):
         momentum, lr = group["momentum"], group["lr"]
         new_buf = buf.lerp(grad, 1 - momentum)
         update = grad.lerp(new_buf, momentum) if group["nesterov"] else new_buf
-        full = _full(update.bfloat16(), like=p)
-        ortho = _own_rows(
-            orthogonalize(full, self.ns_coefficients, group["ns_steps"], group["eps"]), like=p
+        # Cast before the gather: exact either way, and bfloat16 halves the bytes.
+        full = _full(update.to(self.ns_dtype), like=p)
+        ortho = orthogonalize(
+            full, self.ns_coefficients, group["ns_steps"], group["eps"], self.ns_dtype
         )
+        ortho = _own_rows(ortho, like=p)
         # In float64, rounded to float32 by the kernels: the bits of torch's Python scalars.
         new_param = param * (1 - lr.double() * group["weight_decay"])
         new_param.addcmul_(
