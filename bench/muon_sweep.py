@@ -1,22 +1,25 @@
 """Muon against AdamW on the shipped sample: validation loss after 200 steps, each at the best
-of three peak learning rates.
+of its peak learning rates.
 
 The default run (``python train.py``: the debug model, fp32, 1 process, 200 steps, cosine
 schedule with 20 warmup steps, validation every 50 steps on 4 batches), trained six times in
 this process: AdamW (the core's, ``optimizer.lr``) and the ``muon`` plugin (``muon.lr`` for the
-matrices; the embedding, output and norms keep AdamW at the default ``optimizer.lr``), each at
-three peak LRs around its usual value. Every run starts from the same weights and sees the same
-batches; only the optimizer differs. Results are written after every run, so an interrupted
-sweep keeps what it measured.
+matrices; the embedding, output and norms keep AdamW at the default ``optimizer.lr``), at
+three (AdamW) and four (Muon) peak LRs around each one's usual value. Every run starts from the
+same weights and sees the same batches; only the optimizer differs. Results are written after
+every run, so an interrupted sweep keeps what it measured; ``--only`` runs part of the grid.
 
-    python bench/muon_sweep.py                # 6 runs of 200 steps: many minutes on 2 CPU cores
+    python bench/muon_sweep.py                # 7 runs of 200 steps: many minutes on 2 CPU cores
     python bench/muon_sweep.py --steps 60     # shorter runs (schedule and validation at the end)
-    python bench/muon_sweep.py --quick        # 6 runs of 20 steps
+    python bench/muon_sweep.py --only muon:0.01,muon:0.08   # two runs of the grid
+    python bench/muon_sweep.py --quick        # 7 runs of 20 steps
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,9 +31,9 @@ from plugtrain.training import Trainer, configure
 NAME = "muon_sweep"
 SWEEP = {
     "adamw": ("optimizer.lr", [1e-3, 3e-3, 1e-2]),
-    "muon": ("muon.lr", [0.01, 0.02, 0.04]),
+    "muon": ("muon.lr", [0.01, 0.02, 0.04, 0.08]),
 }
-"""Each optimizer's swept key and peak LRs (AdamW's default 3e-3 and Muon's 0.02 in the middle)."""
+"""Each optimizer's swept key and peak LRs (AdamW's default 3e-3 and Muon's 0.02 second)."""
 
 
 def train(folder: Path, optimizer: str, lr: float, steps: int) -> dict[str, float]:
@@ -72,16 +75,29 @@ def best_of(runs: list[dict]) -> dict[str, dict]:
 
 
 def main() -> None:
-    args = benchlib.parse_args(
-        NAME,
-        __doc__.splitlines()[0],
-        lambda p: p.add_argument("--steps", type=int, default=200, help="steps per run"),
-    )
+    def add(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--steps", type=int, default=200, help="steps per run")
+        parser.add_argument(
+            "--only", default="", help="comma-separated OPTIMIZER:LR of the grid to run (all)"
+        )
+
+    args = benchlib.parse_args(NAME, __doc__.splitlines()[0], add)
     steps = 20 if args.quick else args.steps
+    # Interleaved, the usual LRs first: a sweep cut short still compares the two.
+    order = [
+        (o, key, lrs[i]) for i in (1, 2, 0, 3) for o, (key, lrs) in SWEEP.items() if i < len(lrs)
+    ]
+    if args.only:
+        wanted = set(args.only.split(","))
+        grid = {f"{o}:{lr:g}" for o, _, lr in order}
+        if not wanted <= grid:
+            print(
+                f"--only: {sorted(wanted - grid)} not in the grid {sorted(grid)}", file=sys.stderr
+            )
+            raise SystemExit(2)
+        order = [run for run in order if f"{run[0]}:{run[2]:g}" in wanted]
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        # Interleaved, middle LRs first: a sweep cut short still compares the two.
-        order = [(o, SWEEP[o][0], SWEEP[o][1][i]) for i in (1, 2, 0) for o in SWEEP]
         for optimizer, key, lr in order:
             folder = Path(tmp) / f"{optimizer}-{lr}"
             runs.append({"optimizer": optimizer, "key": key, "lr": lr,
