@@ -1,6 +1,6 @@
-"""Muon under FSDP2 (2 processes) and HSDP (2x2, 4 processes) against 1 process: bitwise on
-equal gradients (the iteration runs on each full matrix, all-gathered); in training runs,
-within fp32 rounding with a float32 iteration, within one bfloat16 step with torch's bfloat16.
+"""Muon under FSDP2 and TP 2 (2 processes) and HSDP (2x2, 4 processes) against 1 process:
+bitwise on equal gradients (the iteration runs on each full matrix, all-gathered); in training
+runs, within fp32 rounding with a float32 iteration, within one bfloat16 step in bfloat16.
 
 One launch per world size, shared by every check through a module-scoped fixture.
 """
@@ -20,13 +20,17 @@ from plugtrain.testing import make_trainer, run_distributed
 
 ARGS = ("--plugins.enabled", "muon", "--training.batch_size", "8")
 HSDP = ("--parallelism.dp_replicate", "2")
+FLOAT32 = ("--muon.ns_dtype", "float32")
 STEPS = 4
 SHAPES = [(7, 16), (24, 5), (16,)]
 """A wide and a tall matrix with a row count 2 ranks split unevenly (FSDP2 pads), a vector."""
+TP2 = ("--parallelism.tp", "2")
 LAYOUTS = {2: (), 4: HSDP}
 """Each world size's layout: FSDP over 2 ranks, HSDP 2 replicas x 2 shards over 4."""
-CASES = [(2, "float32", 1e-5), (4, "float32", 1e-5), (2, "bfloat16", 1e-4)]
-"""The runs (world size, ``muon.ns_dtype``) and their tolerance against 1 process. In a run,
+CASES = [(2, "float32", 1e-5), (4, "float32", 1e-5), (2, "bfloat16", 1e-4), (2, "tp", 1e-5)]
+"""The runs (world size, ``muon.ns_dtype``, or ``tp``: TP 2 in float32) and their tolerance
+against 1 process. Under TP the iteration gathers each matrix over ``tp`` too (measured after
+4 steps: 1.0e-6; TP 2 x FSDP 2 on 4 processes, run once by hand, the same 1.0e-6). In a run,
 the ranks' gradients differ from 1 process's in the reduce's last bits (measured at step 1:
 196 elements in 155808, by up to 7.5e-9, as under AdamW). A float32 iteration keeps that at
 fp32 rounding (measured after 4 steps: 1.2e-7 on 2 processes, 8.6e-7 on 4; AdamW 1.2e-7). In
@@ -78,9 +82,10 @@ def on_each_rank(base: str) -> dict:
     layout = LAYOUTS[world_size]
     # The runs first: the first trainer sets up the process group that stepped() uses.
     runs = {
-        dtype: trained(f"{base}/{world_size}-{dtype}", *layout, "--muon.ns_dtype", dtype)
-        for n, dtype, _ in CASES
+        case: trained(f"{base}/{world_size}-{case}", *args)
+        for n, case, _ in CASES
         if n == world_size
+        for args in [TP2 + FLOAT32 if case == "tp" else (*layout, "--muon.ns_dtype", case)]
     }
     return {"stepped": stepped(world_size), **runs}
 
@@ -89,6 +94,7 @@ def on_each_rank(base: str) -> dict:
 def runs(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("muon")
     one = {d: trained(str(base / f"1-{d}"), "--muon.ns_dtype", d) for d in ("float32", "bfloat16")}
+    one["tp"] = one["float32"]
     return {
         1: {"stepped": stepped(1), **one},
         **{n: run_distributed(on_each_rank, n, str(base)) for n in LAYOUTS},

@@ -4,8 +4,8 @@ It builds the run's optimizer (the ``build_optimizer`` hook): a :class:`MuonAdam
 param group is every 2-D parameter but the embedding and the output projection, trained with
 Muon at ``muon.lr``; the embedding, the output projection and the norms go to fused AdamW
 with the core's ``[optimizer]`` settings (and its ``no_decay`` parts, without weight decay).
-The LR schedule scales both by the same factor. Under FSDP2 and HSDP each matrix's
-Newton-Schulz iteration runs on the whole matrix (see :mod:`plugtrain_muon.optimizer`).
+The LR schedule scales both by the same factor. Under FSDP2, HSDP and tensor parallelism each
+matrix's Newton-Schulz iteration runs on the whole matrix (see :mod:`plugtrain_muon.optimizer`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from plugtrain.plugin import OptimizerContext, check_field, hookimpl, refuse_tensor_parallel
+from plugtrain.plugin import OptimizerContext, check_field, hookimpl
 from plugtrain_muon.optimizer import AdjustLR, MuonAdamW, lr_ratio, orthogonalize
 
 __all__ = ["MuonAdamW", "MuonConfig", "MuonPlugin", "lr_ratio", "orthogonalize"]
@@ -73,8 +73,6 @@ class MuonPlugin:
 
     @hookimpl
     def build_optimizer(self, ctx: OptimizerContext) -> MuonAdamW:
-        # Newton-Schulz gathers a matrix over dp_shard only, not its tensor-parallel split.
-        refuse_tensor_parallel(ctx.config, ctx.name_of(self))
         cfg: MuonConfig = ctx.plugin_config(self)
         core = ctx.optimizer_config
         matrices, decayed, exempt = [], [], []

@@ -66,7 +66,8 @@ def lr_ratio(shape: torch.Size, adjust_lr_fn: AdjustLR) -> float:
 
 def _full(update: Tensor, like: Tensor) -> Tensor:
     """The whole matrix of which ``update`` is ``like``'s local shard: all-gathered over the
-    mesh dimensions ``like`` is sharded on (none for a plain tensor)."""
+    mesh dimensions ``like`` is sharded on, ``dp_shard`` and ``tp`` both (FSDP2 over TP's
+    ``_StridedShard`` included; none for a plain tensor)."""
     if not isinstance(like, DTensor):
         return update
     shard = DTensor.from_local(
