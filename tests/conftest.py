@@ -67,3 +67,17 @@ def readme_command() -> Callable[[Path, str], str]:
     """``readme_command(repo, label)``: the command in the fenced block that follows README's
     line ``<!-- label -->``."""
     return _readme_command
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under xdist, run the files with the most slow tests first, each file's tests in order.
+
+    xdist hands whole files (``--dist loadfile``) to the workers in this order: a file of
+    multi-process launches handed out last would leave one worker running it while the other
+    idles, and the light files are better left to even out the end."""
+    if not items or not hasattr(items[0].config, "workerinput"):
+        return  # not an xdist worker: a serial run keeps the files' order
+    slow: dict[Path, int] = {}
+    for item in items:
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: -slow[item.path])
