@@ -60,6 +60,10 @@ class StopSignals:
             self.requested = signal.Signals(signum)
         if signum == signal.SIGINT:
             self._restore(signal.SIGINT)
+            # The second Ctrl-C stops at once, even in a process that inherited SIGINT
+            # ignored (a launcher's or a test runner's child), whose previous handler is
+            # SIG_IGN.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def vote(self) -> signal.Signals | None:
         """The signal that stops the run after this step, if any rank had one a step ago.
