@@ -17,7 +17,7 @@ Parts, most valuable first, so that what matters most is done when the budget ru
 
 The benchmark parts run one after another in a worker process, which a crash or an overrun
 ends (the next part starts a new one). The JSON report (``--out``) and its Markdown summary
-(same name, ``.md``: tables ready for docs/benchmarks.md) are rewritten after every part, so a
+(same name, ``.md``: tables ready for docs/benchmarks/gpu.md) are rewritten after every part, so a
 run killed from outside keeps what finished. No part starts after ``--budget-s`` seconds; one
 still running at ``--budget-s`` + ``--grace-s`` (default 480 + 90) is killed, so the whole run
 ends within a 600 s limit. Exit status: 0 if every test passed and every part that ran

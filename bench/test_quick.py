@@ -1,4 +1,4 @@
-"""The CPU benchmarks run (--quick) and write the JSON fields docs/benchmarks.md documents.
+"""The CPU benchmarks run (--quick) and write the JSON fields docs/benchmarks/ documents.
 
 Not part of the test suite (``python -m pytest`` collects ``tests`` and ``plugins``): these
 are end-to-end runs of the bench scripts, minutes on 2 cores. Run them when a bench script or

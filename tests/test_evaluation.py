@@ -208,7 +208,7 @@ def test_plugtrain_eval_of_a_checkpoint_and_its_export_gives_the_logged_scores(t
 def test_a_model_trained_on_the_true_lines_is_above_chance(tmp_path):
     # The score must move when the model learns: 60 steps of the tiny model on the first 40
     # items' contexts with their true next lines (the default run's figures, where the debug
-    # model learns from other plays, are in docs/benchmarks.md, section 11).
+    # model learns from other plays, are in docs/benchmarks/generation-and-eval.md).
     task = read_task("sample:cloze.jsonl")
     items = task.items[:40]
     texts = [{"text": f"{i.context}{i.delimiter}{i.choices[i.gold]}"} for i in items]

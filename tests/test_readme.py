@@ -180,7 +180,7 @@ FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
 def linking_pages() -> list[Path]:
     """Every Markdown page of the repository a reader follows links from."""
-    pages = [*REPO.glob("*.md"), *(REPO / "docs").glob("*.md"), REPO / "core" / "README.md"]
+    pages = [*REPO.glob("*.md"), *(REPO / "docs").rglob("*.md"), REPO / "core" / "README.md"]
     return sorted([*pages, *(REPO / "plugins").glob("*/README.md")])
 
 

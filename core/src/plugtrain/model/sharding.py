@@ -21,7 +21,7 @@ def needs_sharding(world_size: int, param_dtype: torch.dtype, reduce_dtype: torc
 
     One process in float32 has nothing to shard and nothing to cast, yet FSDP2 would copy
     every block into an unsharded buffer and the gradients back at each step (the measured cost
-    is in docs/benchmarks.md): the plain module computes the same numbers without it.
+    is in docs/benchmarks/speed.md): the plain module computes the same numbers without it.
     Checkpoints stay interchangeable: DCP saves plain tensors and DTensors under the same keys
     and reshards between them.
     """
