@@ -9,10 +9,11 @@ from plugtrain.errors import check_field
 
 @dataclass
 class ParallelismConfig:
-    """How the ranks shard the model: FSDP over all of them, or hybrid sharding (HSDP)."""
+    """How the ranks split the model: FSDP or HSDP, each with or without tensor parallelism."""
 
-    # Every rank trains on its own slice of each batch either way: the degrees only decide
-    # where each parameter's shards live. Their product is the world size.
+    # Every data-parallel rank trains on its own slice of each batch (a tp group's ranks share
+    # one): the degrees decide where each parameter's shards live. Their product is the world
+    # size.
     dp_replicate: int = 1
     """Copies of the sharded model (HSDP's replicas, one per node typically): gradients are
     reduce-scattered within a copy, then all-reduced across copies once per optimizer step.
