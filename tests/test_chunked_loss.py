@@ -10,9 +10,15 @@ import torch
 
 from plugtrain.data import IGNORE_INDEX
 from plugtrain.errors import ConfigError
-from plugtrain.model import ChunkedLoss, Transformer, cross_entropy, estimate_memory
+from plugtrain.model import (
+    ChunkedLoss,
+    Transformer,
+    cross_entropy,
+    estimate_memory,
+    summed_cross_entropy,
+)
 from plugtrain.model.memory import Checkpointing
-from plugtrain.model.transformer import FLAVORS, summed_cross_entropy
+from plugtrain.model.transformer import FLAVORS
 from plugtrain.testing import tiny_run
 from plugtrain.training.launch import configure
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from plugtrain.errors import CheckpointError
+from plugtrain.model import FLAVORS, Transformer, cross_entropy
 from plugtrain.model.hf import from_hf, hf_config, model_args_from_hf, parameter_shapes, to_hf
-from plugtrain.model.transformer import FLAVORS, Transformer, cross_entropy
 from plugtrain.testing import document_spans, packed_documents
 
 transformers = pytest.importorskip("transformers")

@@ -19,7 +19,13 @@ if TYPE_CHECKING:
     from plugtrain.model.hf import read_hf_config as read_hf_config
     from plugtrain.model.hf import to_hf as to_hf
     from plugtrain.model.loss import ChunkedLoss as ChunkedLoss
+    from plugtrain.model.loss import cross_entropy as cross_entropy
     from plugtrain.model.loss import logsumexp as logsumexp
+    from plugtrain.model.loss import parallel_cross_entropy as parallel_cross_entropy
+    from plugtrain.model.loss import (
+        parallel_summed_cross_entropy as parallel_summed_cross_entropy,
+    )
+    from plugtrain.model.loss import summed_cross_entropy as summed_cross_entropy
     from plugtrain.model.memory import Checkpointing as Checkpointing
     from plugtrain.model.memory import MemoryEstimate as MemoryEstimate
     from plugtrain.model.memory import estimate_memory as estimate_memory
@@ -28,17 +34,11 @@ if TYPE_CHECKING:
     from plugtrain.model.sharding import replica_sync as replica_sync
     from plugtrain.model.sharding import reshard as reshard
     from plugtrain.model.tensor_parallel import check_tensor_parallel as check_tensor_parallel
-    from plugtrain.model.tensor_parallel import parallel_cross_entropy as parallel_cross_entropy
-    from plugtrain.model.tensor_parallel import (
-        parallel_summed_cross_entropy as parallel_summed_cross_entropy,
-    )
     from plugtrain.model.tensor_parallel import tensor_parallel_degree as tensor_parallel_degree
     from plugtrain.model.tensor_parallel import whole_logits as whole_logits
     from plugtrain.model.transformer import KVCache as KVCache
     from plugtrain.model.transformer import Transformer as Transformer
-    from plugtrain.model.transformer import cross_entropy as cross_entropy
     from plugtrain.model.transformer import scale_rope_frequencies as scale_rope_frequencies
-    from plugtrain.model.transformer import summed_cross_entropy as summed_cross_entropy
 else:
     from plugtrain.exports import front_door
 

@@ -1,4 +1,7 @@
-"""The training loss in chunks of tokens, and the log-sum-exp of plain or sharded logits.
+"""Every loss function: cross-entropy (plain, vocab-parallel, chunked) and log-sum-exp.
+
+The cross-entropy comes as a mean or as a sum over the counted targets, of plain logits or of
+logits sharded over the vocabulary (tensor parallelism), and in chunks of tokens.
 
 Chunked, the full logits never exist.
 
@@ -34,7 +37,39 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ChunkedLoss", "logsumexp"]
+__all__ = [
+    "ChunkedLoss",
+    "cross_entropy",
+    "logsumexp",
+    "parallel_cross_entropy",
+    "parallel_summed_cross_entropy",
+    "summed_cross_entropy",
+]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token loss summed over the targets that count (``-100``, the ignore index, left
+    out), in fp32: 0, not NaN, when none does."""
+    flat = targets.flatten(0, 1)
+    return F.cross_entropy(logits.flatten(0, 1).float(), flat, reduction="sum")
+
+
+def parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`cross_entropy` of logits sharded over the vocabulary (a DTensor), as the plain
+    loss tensor every rank of the ``tp`` group holds. Call it, and the backward through it,
+    inside ``torch.distributed.tensor.parallel.loss_parallel()``."""
+    return cross_entropy(logits, targets).to_local()  # replicated: the whole loss, no collective
+
+
+def parallel_summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`summed_cross_entropy` (chat data's loss over its counted targets) of logits
+    sharded over the vocabulary, as :func:`parallel_cross_entropy` returns the mean."""
+    return summed_cross_entropy(logits, targets).to_local()
 
 
 def logsumexp(logits: torch.Tensor) -> torch.Tensor:

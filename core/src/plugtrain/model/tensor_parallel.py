@@ -1,4 +1,4 @@
-"""Tensor parallelism (``parallelism.tp``): accepted degrees, the plan by names, the loss.
+"""Tensor parallelism (``parallelism.tp``): accepted degrees, the plan by names, inference.
 
 The plan is Megatron's, as torchtitan applies it: in every block ``wq``, ``wk``, ``wv``, ``w1``
 and ``w3`` are split column-wise (each rank holds ``heads / tp`` query heads and ``kv_heads /
@@ -33,12 +33,10 @@ from torch.distributed.tensor.parallel import (
 
 from plugtrain.errors import ConfigError
 from plugtrain.model.args import ModelArgs
-from plugtrain.model.transformer import KVCache, Transformer, cross_entropy, summed_cross_entropy
+from plugtrain.model.transformer import KVCache, Transformer
 
 __all__ = [
     "check_tensor_parallel",
-    "parallel_cross_entropy",
-    "parallel_summed_cross_entropy",
     "parallelize",
     "plan",
     "tensor_parallel_degree",
@@ -122,19 +120,6 @@ def parallelize(model: Transformer, tp_mesh: DeviceMesh) -> None:
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=False
         )
         parallelize_module(model.norm, tp_mesh, gather)
-
-
-def parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """:func:`cross_entropy` of logits sharded over the vocabulary (a DTensor), as the plain
-    loss tensor every rank of the ``tp`` group holds. Call it, and the backward through it,
-    inside ``torch.distributed.tensor.parallel.loss_parallel()``."""
-    return cross_entropy(logits, targets).to_local()  # replicated: the whole loss, no collective
-
-
-def parallel_summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """:func:`summed_cross_entropy` (chat data's loss over its counted targets) of logits
-    sharded over the vocabulary, as :func:`parallel_cross_entropy` returns the mean."""
-    return summed_cross_entropy(logits, targets).to_local()
 
 
 def tensor_parallel_degree(model: nn.Module) -> int:

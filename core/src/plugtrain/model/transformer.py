@@ -41,7 +41,6 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "apply_rotary_emb",
-    "cross_entropy",
     "precompute_freqs_cis",
     "rotate_pairs",
     "scale_rope_frequencies",
@@ -454,15 +453,3 @@ def _param_seed(seed: int, index: int) -> int:
     """
     digest = hashlib.sha256(f"plugtrain-init:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
-
-
-def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token loss summed over the targets that count (``-100``, the ignore index, left
-    out), in fp32: 0, not NaN, when none does."""
-    flat = targets.flatten(0, 1)
-    return F.cross_entropy(logits.flatten(0, 1).float(), flat, reduction="sum")
