@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 
 def model_params(flavor: str) -> int:
-    from plugtrain.model.args import run_model_args
+    from plugtrain.model.llama.args import run_model_args
 
     return run_model_args(flavor, 50257, 256).num_params()
 

@@ -27,7 +27,7 @@ import benchlib
 import torch.distributed.checkpoint as dcp
 
 from plugtrain.data.tokenizer import Tokenizer
-from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.model.llama.transformer import FLAVORS, Transformer
 
 TOKENIZER = benchlib.DATA / "tokenizer.json"
 SEQ_LEN = 128
@@ -43,9 +43,9 @@ import json, sys, time
 import torch
 from plugtrain.checkpoint.dcp_io import read_checkpoint
 from plugtrain.checkpoint.export import export_checkpoint
-from plugtrain.model.args import run_model_args
-from plugtrain.model.hf import to_hf
-from plugtrain.model.transformer import FLAVORS, ModelArgs
+from plugtrain.model.llama.args import run_model_args
+from plugtrain.model.llama.hf import to_hf
+from plugtrain.model.llama.transformer import FLAVORS, ModelArgs
 import safetensors.torch
 mode, checkpoint, out, shape = sys.argv[1:5]
 FLAVORS["bench300M"] = ModelArgs(**json.loads(shape))

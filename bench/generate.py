@@ -24,7 +24,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from plugtrain.model.decoding import generate
-from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.model.llama.transformer import FLAVORS, Transformer
 
 NAME = "generate"
 PROMPT_TOKENS = 8

@@ -84,6 +84,7 @@ class HandWrittenLoop:
             self.lr_scheduler = trainer.lr_scheduler
         else:
             self.model = build_model(
+                trainer.model_spec,
                 trainer.model_args,
                 trainer.world.mesh,
                 trainer.param_dtype,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import benchlib
 
-from plugtrain.model.args import FLAVORS, ModelArgs
+from plugtrain.model.llama.args import FLAVORS, ModelArgs
 from plugtrain.model.sharding import DTYPES
 
 NAME = "hsdp_volume"

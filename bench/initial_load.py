@@ -55,14 +55,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from safetensors.torch import load_file
 from plugtrain.checkpoint import open_initial_load
 from plugtrain.config import CheckpointConfig
-from plugtrain.model import build_model, from_hf, model_args_from_hf
+from plugtrain.model import LLAMA, build_model, from_hf, model_args_from_hf
 torch.set_num_threads(1)
 mode, folder, out = sys.argv[1:4]
 dist.init_process_group("gloo")
 world = dist.get_world_size()
 args = model_args_from_hf(json.load(open(f"{folder}/config.json")))
 model = build_model(
-    args, init_device_mesh("cpu", (world,)), torch.float32, torch.float32,
+    LLAMA, args, init_device_mesh("cpu", (world,)), torch.float32, torch.float32,
     torch.device("cpu"), 0, init_weights=False,
 )
 with torch.no_grad():  # resident, as in a run: to_empty's pages are not until written

@@ -38,8 +38,8 @@ import tomllib
 
 import benchlib
 
-from plugtrain.model.args import FLAVORS, ModelArgs
-from plugtrain.model.memory import Checkpointing, estimate_memory
+from plugtrain.model import Checkpointing, estimate_memory
+from plugtrain.model.llama.args import FLAVORS, ModelArgs
 from plugtrain.model.sharding import DTYPES
 from plugtrain.plugin import hookimpl
 

@@ -34,7 +34,7 @@ import torch
 from hook_overhead import timed
 from plugtrain_activation_checkpointing import ActivationCheckpointing
 
-from plugtrain.model.transformer import FLAVORS, ModelArgs, Transformer
+from plugtrain.model.llama.transformer import FLAVORS, ModelArgs, Transformer
 from plugtrain.testing import PeakMemory, model_context
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import LRSchedule, build_optimizer

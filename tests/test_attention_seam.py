@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from plugtrain.model import FLAVORS, KVCache, Transformer
 from plugtrain.model.attention import SDPA, attention_variant
-from plugtrain.model.transformer import apply_rotary_emb
+from plugtrain.model.llama.transformer import apply_rotary_emb
 
 TINY = FLAVORS["tiny"]  # 4 query heads, 2 key/value heads: grouped-query attention
 

@@ -17,8 +17,8 @@ from plugtrain.model import (
     estimate_memory,
     summed_cross_entropy,
 )
+from plugtrain.model.llama.transformer import FLAVORS
 from plugtrain.model.memory import Checkpointing
-from plugtrain.model.transformer import FLAVORS
 from plugtrain.testing import tiny_run
 from plugtrain.training.launch import configure
 

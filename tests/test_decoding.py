@@ -10,7 +10,7 @@ import torch
 
 from plugtrain.errors import UserError
 from plugtrain.model.decoding import generate, next_token
-from plugtrain.model.transformer import FLAVORS, KVCache, Transformer
+from plugtrain.model.llama.transformer import FLAVORS, KVCache, Transformer
 
 # A vocabulary smaller than tiny's makes greedy generations of a random model vary more.
 ARGS = dataclasses.replace(FLAVORS["tiny"], vocab_size=61, max_seq_len=48)

@@ -21,9 +21,9 @@ from plugtrain.checkpoint.export import export_checkpoint, parse_size, write_hf_
 from plugtrain.checkpoint.saved import find_checkpoint, open_checkpoint
 from plugtrain.cli import main
 from plugtrain.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
-from plugtrain.model import parameter_shapes
-from plugtrain.model.hf import to_hf
-from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.model import FAMILIES, LLAMA, parameter_shapes
+from plugtrain.model.llama.hf import to_hf
+from plugtrain.model.llama.transformer import FLAVORS, Transformer
 from plugtrain.testing import SAMPLE, tiny_run
 
 transformers = pytest.importorskip("transformers")
@@ -128,15 +128,19 @@ def test_a_tokenizer_without_bos_exports_without_one(tmp_path):
     args = dataclasses.replace(FLAVORS["tiny"], vocab_size=ours.vocab_size, max_seq_len=16)
     shapes = parameter_shapes(args)
     zeros = lambda name: torch.zeros(shapes[name])  # noqa: E731 (the weights do not matter)
-    out = write_hf_folder(tmp_path / "hf", args, zeros, tokenizer_path=path, dtype=torch.float32)
+    out = write_hf_folder(
+        tmp_path / "hf", args, zeros, hf=LLAMA.hf, tokenizer_path=path, dtype=torch.float32
+    )
     text = sample_text()
     assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ours.encode(text)
     assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is False
 
 
 def test_export_without_the_qk_permutation_fails_the_logit_check(run, fp32, monkeypatch):
-    # The negative control: the tolerance above sees a missing permutation.
-    monkeypatch.setattr(export, "to_hf", functools.partial(to_hf, permute=False))
+    # The negative control: the tolerance above sees a missing permutation. The export takes
+    # its writer from the family's spec, so the broken writer goes there.
+    unpermuted = dataclasses.replace(LLAMA.hf, to_hf=functools.partial(to_hf, permute=False))
+    monkeypatch.setitem(FAMILIES, "llama", lambda: dataclasses.replace(LLAMA, hf=unpermuted))
     out = run.parent / "unpermuted"
     export_checkpoint(run, out, dtype=torch.float32)
     assert max_logit_error(find_checkpoint(run), out) > 1e-5

@@ -42,12 +42,12 @@ def generate_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, s
 
 def test_a_dump_folder_loads_its_latest_checkpoint_and_ema_its_average(run: Path) -> None:
     step6 = run / "checkpoints" / "step-6"
-    _, latest, _ = from_checkpoint(run)
+    _, _, latest, _ = from_checkpoint(run)
     saved = read_checkpoint(step6, "model.")
     assert latest.keys() == {k.removeprefix("model.") for k in saved}
     assert all(torch.equal(latest[k.removeprefix("model.")], t) for k, t in saved.items())
-    _, step3, _ = from_checkpoint(run / "checkpoints" / "step-3")
-    _, ema, _ = from_checkpoint(step6, weights="ema")
+    _, _, step3, _ = from_checkpoint(run / "checkpoints" / "step-3")
+    _, _, ema, _ = from_checkpoint(step6, weights="ema")
     name = "layers.0.attention.wq.weight"
     assert not torch.equal(step3[name], latest[name])
     assert torch.equal(

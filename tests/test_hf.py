@@ -1,4 +1,4 @@
-"""The Hugging Face Llama format (plugtrain.model.hf) against transformers' own model."""
+"""The Hugging Face Llama format (plugtrain.model.llama.hf) against transformers' own model."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from plugtrain.errors import CheckpointError
 from plugtrain.model import FLAVORS, Transformer, cross_entropy
-from plugtrain.model.hf import from_hf, hf_config, model_args_from_hf, parameter_shapes, to_hf
+from plugtrain.model.llama.hf import from_hf, hf_config, model_args_from_hf, parameter_shapes, to_hf
 from plugtrain.testing import document_spans, packed_documents
 
 transformers = pytest.importorskip("transformers")

@@ -20,7 +20,7 @@ from plugtrain.config import ModelConfig
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.generate import load
-from plugtrain.model import Transformer, from_hf, model_args_from_hf, read_hf_config
+from plugtrain.model import LLAMA, Transformer, from_hf, model_args_from_hf, read_hf_config
 from plugtrain.testing import HF_VARIANTS, hf_llama_folder, hf_llama_logits, make_trainer
 
 pytest.importorskip("transformers")
@@ -115,6 +115,7 @@ def test_import_then_export_gives_the_tensors_back_bitwise(folders, tokens, tmp_
         tmp_path / "export",
         model.args,
         state.__getitem__,
+        hf=LLAMA.hf,
         tokenizer_path=folder / "tokenizer.json",
         dtype=torch.float32,
         max_shard_size=SHARD,

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from plugtrain_activation_checkpointing import ActivationCheckpointing
 
 from plugtrain.cli import main
-from plugtrain.model.memory import Checkpointing, estimate_memory, layer_bytes_per_token
-from plugtrain.model.transformer import FLAVORS, Transformer
+from plugtrain.model.llama.memory import estimate_memory, layer_bytes_per_token
+from plugtrain.model.llama.transformer import FLAVORS, Transformer
+from plugtrain.model.memory import Checkpointing
 from plugtrain.testing import PeakMemory, make_trainer, model_context
 from plugtrain.training.estimate import checkpointing_of, estimate_run
 from plugtrain.training.launch import configure

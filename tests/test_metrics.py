@@ -18,7 +18,7 @@ import torch
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import ConfigError
 from plugtrain.model import Gemm
-from plugtrain.model.transformer import FLAVORS
+from plugtrain.model.llama.transformer import FLAVORS
 from plugtrain.observability import logs, timing
 from plugtrain.observability.metrics import (
     CONSOLE_SHORT_FORMS,

@@ -1,4 +1,4 @@
-"""Tests of plugtrain.model.transformer: shapes, causality, GQA and RoPE against references, the
+"""Tests of the Llama transformer: shapes, causality, GQA and RoPE against references, the
 sharding-invariant init (1 process, meta + to_empty, 2-process FSDP2), parameter and FLOP
 counts."""
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from plugtrain.model.transformer import (
+from plugtrain.model.llama.transformer import (
     FLAVORS,
     ModelArgs,
     Transformer,

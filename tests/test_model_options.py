@@ -18,8 +18,8 @@ from plugtrain.model import (
     read_hf_config,
     scale_rope_frequencies,
 )
-from plugtrain.model.memory import _root_params
-from plugtrain.model.transformer import FLAVORS, precompute_freqs_cis
+from plugtrain.model.llama.memory import _root_params
+from plugtrain.model.llama.transformer import FLAVORS, precompute_freqs_cis
 from plugtrain.testing import interrupted_and_resumed, tiny_run
 
 TINY = FLAVORS["tiny"]

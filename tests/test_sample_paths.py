@@ -41,5 +41,5 @@ def test_generate_takes_a_sample_tokenizer_for_a_folder_without_one(tmp_path):
     from plugtrain.testing import hf_llama_folder
 
     folder = hf_llama_folder(tmp_path / "hf", tokenizer=False)
-    _, _, tokenizer = from_hf_folder(folder, "sample:tokenizer.json")
+    *_, tokenizer = from_hf_folder(folder, "sample:tokenizer.json")
     assert tokenizer.vocab_size == VOCAB

@@ -19,6 +19,7 @@ from plugtrain.data import IGNORE_INDEX
 from plugtrain.distributed import init_world
 from plugtrain.model import (
     FLAVORS,
+    LLAMA,
     ChunkedLoss,
     Transformer,
     build_model,
@@ -119,7 +120,14 @@ def on_two_ranks(base: str) -> dict:
     world = init_world("cpu", tp=2)
     model, document = (
         build_model(
-            args, world.mesh, torch.float32, torch.float32, world.device, 0, tp_mesh=world.tp_mesh
+            LLAMA,
+            args,
+            world.mesh,
+            torch.float32,
+            torch.float32,
+            world.device,
+            0,
+            tp_mesh=world.tp_mesh,
         )
         for args in (TINY, DOCUMENT)
     )

@@ -307,7 +307,7 @@ def command(argv: list[str]) -> int:
         help="estimate the memory each GPU needs to train a config",
         description="Parameters, gradients, optimizer state, activations and logits per process "
         "for CONFIG on --gpus processes, with --section.key VALUE overrides as train.py takes "
-        "them. The formulas are in plugtrain/model/memory.py.",
+        "them. The formulas are in plugtrain/model/llama/memory.py.",
     )
     estimate.add_argument("config", metavar="CONFIG", help="a TOML config")
     estimate.add_argument("--gpus", type=int, default=1, help="processes in all (default 1)")

@@ -371,7 +371,7 @@ def score(
     task's :class:`Score`, the same on every rank and for any ``world_size``.
 
     ``model`` maps tokens ``[B, S]`` to logits ``[B, S, vocab]`` (a
-    :class:`~plugtrain.model.transformer.Transformer`, FSDP2-sharded, tensor-parallel or
+    :class:`~plugtrain.model.llama.transformer.Transformer`, FSDP2-sharded, tensor-parallel or
     neither); it is put in eval mode for the passes and back, and resharded after them. The
     items are split over ``world_size`` ranks, this one ``rank``, and the counts summed over
     ``group`` (None: every process), the group those ranks make: under tensor parallelism the

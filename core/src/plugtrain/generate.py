@@ -1,16 +1,18 @@
 """Generate text from a saved model: load it for inference, then ``plugtrain generate``.
 
-Each kind of input has a loader that returns ``(ModelArgs, state_dict, Tokenizer)``, the state
-dict keyed by the model's own parameter names (``layers.0.attention.wq.weight``):
+Each kind of input has a loader that returns ``(ModelSpec, args, state_dict, Tokenizer)``: the
+model's family, its shape, and the state dict keyed by the model's own parameter names
+(``layers.0.attention.wq.weight``):
 
 * :func:`from_checkpoint`: a run's dump folder (its latest complete checkpoint) or a
   ``step-N/`` folder, local or at an ``s3://`` URL. Only the model's tensors are read from DCP
   (or, with ``weights="ema"``, the ema plugin's average of them, by key, without importing the
-  plugin); the shape is the run config's flavor with the tokenizer's vocabulary, as the
-  trainer builds it.
-* :func:`from_hf_folder`: a Hugging Face Llama folder (``plugtrain export-hf``'s, or any whose
-  ``config.json`` plugtrain's model can express): its safetensors files, with the q/k rows put
-  back into plugtrain's RoPE layout, and its ``tokenizer.json``.
+  plugin); the family and shape are the run config's, with the tokenizer's vocabulary, as the
+  trainer builds them.
+* :func:`from_hf_folder`: a Hugging Face folder (``plugtrain export-hf``'s, or any whose
+  ``config.json`` a family can express, found by its ``model_type``): its safetensors files
+  through the family's adapter (Llama's puts the q/k rows back into plugtrain's RoPE layout),
+  and its ``tokenizer.json``.
 
 :func:`load` picks the loader for a path and builds the model on a device. The decoding itself
 is :func:`plugtrain.model.decoding.complete`, shared with plugins.
@@ -22,24 +24,27 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from plugtrain import sample
 from plugtrain.checkpoint import WEIGHTS, open_checkpoint, read_checkpoint
 from plugtrain.config import is_url
 from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, UserError, one_line
-from plugtrain.model import ModelArgs, Transformer, complete, from_hf, model_args_from_hf
+from plugtrain.model import ModelSpec, complete, hf_model_spec
 
 __all__ = ["Loaded", "from_checkpoint", "from_hf_folder", "is_hf_folder", "load", "run"]
 
 HF_WEIGHTS = "model.safetensors"
 """A Hugging Face folder's weights file (``model.safetensors.index.json`` lists its shards)."""
 
-Loaded = tuple[ModelArgs, dict[str, torch.Tensor], Tokenizer]
-"""What a loader returns: the model's shape, its tensors by parameter name, its tokenizer."""
+Loaded = tuple[ModelSpec, Any, dict[str, torch.Tensor], Tokenizer]
+"""What a loader returns: the model's family, its shape, its tensors by parameter name, its
+tokenizer."""
 
 
 def from_checkpoint(
@@ -61,7 +66,8 @@ def from_checkpoint(
         raise CheckpointError(
             f"checkpoint '{saved.folder}' is damaged: {one_line(e)}; use another step-N folder"
         ) from e
-    return saved.args, {key.removeprefix(prefix): t for key, t in tensors.items()}, saved.tokenizer
+    state_dict = {key.removeprefix(prefix): t for key, t in tensors.items()}
+    return saved.spec, saved.args, state_dict, saved.tokenizer
 
 
 def is_hf_folder(path: str | os.PathLike[str]) -> bool:
@@ -75,12 +81,15 @@ def is_hf_folder(path: str | os.PathLike[str]) -> bool:
 
 
 def from_hf_folder(path: Path, tokenizer_path: str | None = None) -> Loaded:
-    """Load a Hugging Face Llama folder for inference, on the CPU (``tokenizer_path`` replaces
-    its ``tokenizer.json``)."""
+    """Load a Hugging Face folder of a family plugtrain has (by its config.json's
+    ``model_type``) for inference, on the CPU (``tokenizer_path`` replaces its
+    ``tokenizer.json``)."""
     from safetensors import safe_open  # a dependency of this input kind alone
 
     try:
-        args = model_args_from_hf(json.loads((path / "config.json").read_text()))
+        config = json.loads((path / "config.json").read_text())
+        spec = hf_model_spec(config)
+        args = spec.hf.args_from_hf(config)
         index = path / f"{HF_WEIGHTS}.index.json"
         files = (
             sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -91,7 +100,7 @@ def from_hf_folder(path: Path, tokenizer_path: str | None = None) -> Loaded:
         for file in files:
             with safe_open(path / file, "pt") as f:
                 for key in f.keys():  # noqa: SIM118 (not a dict)
-                    name, tensor = from_hf(key, f.get_tensor(key), args)
+                    name, tensor = spec.hf.from_hf(key, f.get_tensor(key), args)
                     state_dict[name] = tensor
     except UserError:
         raise
@@ -104,14 +113,14 @@ def from_hf_folder(path: Path, tokenizer_path: str | None = None) -> Loaded:
         raise CheckpointError(
             f"Hugging Face folder '{path}' has no tokenizer.json: pass --tokenizer FILE"
         )
-    return args, state_dict, Tokenizer.from_file(tokenizer)
+    return spec, args, state_dict, Tokenizer.from_file(tokenizer)
 
 
-def _build(
-    args: ModelArgs, state_dict: dict[str, torch.Tensor], source: str | os.PathLike[str]
-) -> Transformer:
-    """The model of shape ``args`` holding ``state_dict``, in float32 on the CPU, for inference."""
-    model = Transformer(args)
+def _build(loaded: Loaded, source: str | os.PathLike[str]) -> nn.Module:
+    """The model a loader gave (family, shape and ``state_dict``), in float32 on the CPU, for
+    inference."""
+    spec, args, state_dict, _ = loaded
+    model = spec.build(args)
     wanted = model.state_dict()
     for key in sorted(wanted.keys() | state_dict.keys()):
         if key not in state_dict or key not in wanted:
@@ -133,16 +142,16 @@ def load(
     device: str | torch.device = "cpu",
     weights: str = "model",
     tokenizer_path: str | None = None,
-) -> tuple[Transformer, Tokenizer]:
+) -> tuple[nn.Module, Tokenizer]:
     """The model saved at ``path`` (any input kind a loader reads), on ``device``, and its
     tokenizer."""
     if is_hf_folder(path):
         if weights != "model":
             raise ConfigError(f"--weights {weights} reads a plugtrain checkpoint, not '{path}'")
-        args, state_dict, tokenizer = from_hf_folder(Path(path), tokenizer_path)
+        loaded = from_hf_folder(Path(path), tokenizer_path)
     else:
-        args, state_dict, tokenizer = from_checkpoint(path, weights, tokenizer_path)
-    return _build(args, state_dict, path).to(device), tokenizer
+        loaded = from_checkpoint(path, weights, tokenizer_path)
+    return _build(loaded, path).to(device), loaded[3]
 
 
 def _device(name: str) -> torch.device:

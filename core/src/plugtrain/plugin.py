@@ -89,7 +89,8 @@ class ModelContext:
     config: JobConfig
     """The whole validated config (core sections and every enabled plugin's section)."""
     model: nn.Module
-    """The :class:`~plugtrain.model.transformer.Transformer`, on the meta device, unsharded."""
+    """The family's model (Llama's :class:`~plugtrain.model.llama.transformer.Transformer`), on
+    the meta device, unsharded."""
     blocks: tuple[nn.Module, ...]
     """The transformer blocks, ``model.layers`` in order: each is sharded on its own (FSDP2)."""
     norm: nn.Module

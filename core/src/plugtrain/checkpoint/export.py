@@ -1,4 +1,4 @@
-"""Export a checkpoint to a Hugging Face Llama folder, one tensor in memory at a time.
+"""Export a checkpoint to a Hugging Face folder, one tensor in memory at a time.
 
 The folder holds ``model.safetensors`` (or shards and ``model.safetensors.index.json``),
 ``config.json``, ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``:
@@ -41,7 +41,7 @@ from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner
 from plugtrain.checkpoint.saved import WEIGHTS, open_checkpoint
 from plugtrain.data import BOS_TOKEN, DEFAULT_CHAT_TEMPLATE, EOS_TOKEN, ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
-from plugtrain.model import ModelArgs, hf_config, parameter_shapes, to_hf
+from plugtrain.model import HFAdapter
 
 __all__ = ["export_checkpoint", "parse_size", "write_hf_folder"]
 
@@ -76,14 +76,14 @@ def export_checkpoint(
     the export computes what the checkpoint does). ``tokenizer`` replaces the tokenizer.json
     the run's config names (a relative path the run read from elsewhere)."""
     saved = open_checkpoint(path, tokenizer)
-    folder, args, prefix = saved.folder, saved.args, WEIGHTS[weights]
+    folder, args, prefix, hf = saved.folder, saved.args, WEIGHTS[weights], saved.spec.hf
     stored = saved.tensors(weights)
     if dtype is None:  # the widest the checkpoint holds, should its tensors differ
         dtype = max({md.properties.dtype for md in stored.values()}, key=lambda d: d.itemsize)
-    shapes = parameter_shapes(args)
+    shapes = hf.parameter_shapes(args)
     for name, md in stored.items():
         if name not in shapes:
-            to_hf(name, torch.empty(0), args)  # raises: the format has no place for it
+            hf.to_hf(name, torch.empty(0), args)  # raises: the format has no place for it
         if tuple(md.size) != shapes[name]:
             raise CheckpointError(
                 f"checkpoint '{folder}' holds '{prefix}{name}' of shape {tuple(md.size)}, but "
@@ -119,6 +119,7 @@ def export_checkpoint(
         out,
         args,
         load,
+        hf=hf,
         tokenizer_path=saved.tokenizer_path,
         dtype=dtype,
         max_shard_size=max_shard_size,
@@ -192,7 +193,7 @@ def _bos_processor(spec: dict[str, Any], bos_id: int | None) -> dict[str, Any] |
     return kept[0] if kept else None
 
 
-def _tokenizer_files(tokenizer_path: Path, args: ModelArgs) -> tuple[dict, dict, dict, dict]:
+def _tokenizer_files(tokenizer_path: Path, args: Any) -> tuple[dict, dict, dict, dict]:
     """tokenizer.json, tokenizer_config.json, generation_config.json and the special token ids,
     from the tokenizer.json the run trained with."""
     tokenizer = Tokenizer.from_file(tokenizer_path)
@@ -219,15 +220,17 @@ def _tokenizer_files(tokenizer_path: Path, args: ModelArgs) -> tuple[dict, dict,
 
 def write_hf_folder(
     out: str | os.PathLike[str],
-    args: ModelArgs,
+    args: Any,
     load: Callable[[str], torch.Tensor],
     *,
+    hf: HFAdapter,
     tokenizer_path: str | os.PathLike[str],
     dtype: torch.dtype,
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
 ) -> Path:
-    """Write a Hugging Face Llama folder ``out`` for a model of shape ``args``.
+    """Write a Hugging Face folder ``out`` for a model of shape ``args``, in its family's
+    format ``hf``.
 
     ``load(name)`` gives the full tensor of plugtrain parameter ``name``; it is called once per
     parameter in the model's order, and only that tensor (and its converted copy) is held.
@@ -245,8 +248,8 @@ def write_hf_folder(
     tokenizer_json, tokenizer_config, generation_config, ids = _tokenizer_files(
         tokenizer_path, args
     )
-    shapes = parameter_shapes(args)
-    hf_names = {name: to_hf(name, torch.empty(0), args, permute=False)[0] for name in shapes}
+    shapes = hf.parameter_shapes(args)
+    hf_names = {name: hf.to_hf(name, torch.empty(0), args, permute=False)[0] for name in shapes}
     hf_shapes = {hf_names[name]: shape for name, shape in shapes.items()}
     item = torch.empty(0, dtype=dtype).element_size()
     sizes = {name: item * torch.Size(shape).numel() for name, shape in shapes.items()}
@@ -266,7 +269,7 @@ def write_hf_folder(
             with open(partial / file, "wb") as f:
                 _write(f, _header([hf_names[n] for n in names], hf_shapes, dtype))
                 for name in names:
-                    hf_name, tensor = to_hf(name, load(name), args)
+                    hf_name, tensor = hf.to_hf(name, load(name), args)
                     if tuple(tensor.shape) != shapes[name]:
                         raise CheckpointError(
                             f"tensor '{name}' has shape {tuple(tensor.shape)}, but the model's "
@@ -280,7 +283,7 @@ def write_hf_folder(
             _write_json(partial / "model.safetensors.index.json", index)
         _write_json(
             partial / "config.json",
-            hf_config(
+            hf.hf_config(
                 args,
                 dtype=dtype,
                 bos_token_id=ids["bos_token_id"],

@@ -13,8 +13,9 @@ model. A Hugging Face folder (``config.json`` and ``model.safetensors``, or shar
 ``model.safetensors.index.json``) is read through ``safetensors``' lazy slices: each rank reads
 only the block of each tensor it holds, FSDP's rows and tensor parallelism's rows or columns
 (for q and k, the rows of the heads they fall in, which RoPE's layout change permutes within;
-see ``model/hf.py``), cast to the parameter's dtype. A ``step-N/`` folder is read by DCP, which
-reshards any saved world size and layout onto this one; with
+see the family's ``HFAdapter``, Llama's in ``model/llama/hf.py``), cast to the parameter's
+dtype. A ``step-N/`` folder is read by DCP, which reshards any saved world size and layout onto
+this one; with
 ``checkpoint.initial_load_model_only = false`` AdamW's per-parameter state (moments and its own
 step count) comes too. Never the trainer's step, LR schedule, data position or plugin states:
 those start afresh with the new run's settings.
@@ -26,6 +27,7 @@ tensors, or a tokenizer whose vocabulary does not match the embedding are refuse
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -57,7 +59,7 @@ from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.saved import CheckpointFolder, locate_checkpoint
 from plugtrain.config import CheckpointConfig, is_url
 from plugtrain.errors import CheckpointError, one_line
-from plugtrain.model import ModelArgs, from_hf, model_args_from_hf, to_hf
+from plugtrain.model import HFAdapter, hf_model_spec
 
 logger = logging.getLogger("plugtrain")
 
@@ -133,7 +135,7 @@ class InitialLoad:
 
     # ------------------------------------------------------------------ checks
 
-    def check(self, model: nn.Module, args: ModelArgs, tokenizer: str) -> None:
+    def check(self, model: nn.Module, args: Any, tokenizer: str) -> None:
         """Refuse, in one line, a source that does not fit ``model`` (of shape ``args``; its
         vocabulary is tokenizer ``tokenizer``'s): before anything is read."""
         wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
@@ -178,13 +180,22 @@ class InitialLoad:
                 "model.flavor it was trained with"
             )
 
-    def _hf_name(self, name: str, args: ModelArgs) -> str:
-        return to_hf(name, torch.empty(0), args, permute=False)[0]
-
-    def _check_hf(self, args: ModelArgs) -> None:
+    @functools.cached_property
+    def _hf(self) -> HFAdapter:
+        """hf: the Hugging Face format of the folder's model family (config.json's
+        ``model_type``)."""
         try:
-            theirs = model_args_from_hf(self.config)
-        except CheckpointError as e:  # what plugtrain's model cannot express
+            return hf_model_spec(self.config).hf
+        except CheckpointError as e:
+            raise CheckpointError(f"{_KEY} '{self.path}': {e}") from e
+
+    def _hf_name(self, name: str, args: Any) -> str:
+        return self._hf.to_hf(name, torch.empty(0), args, permute=False)[0]
+
+    def _check_hf(self, args: Any) -> None:
+        try:
+            theirs = self._hf.args_from_hf(self.config)
+        except CheckpointError as e:  # what the family's model cannot express
             raise CheckpointError(f"{_KEY} '{self.path}': {e}") from e
         for setting in _SETTINGS:
             if getattr(theirs, setting) != getattr(args, setting):
@@ -196,7 +207,7 @@ class InitialLoad:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, model: nn.Module, optimizer: Optimizer | None, args: ModelArgs) -> None:
+    def load(self, model: nn.Module, optimizer: Optimizer | None, args: Any) -> None:
         """Put the source's weights (and AdamW's state, unless ``model_only``) into ``model``
         and ``optimizer``; every rank reads only its shards (collective for ``plugtrain``)."""
         if optimizer is None and not self.model_only:
@@ -215,11 +226,12 @@ class InitialLoad:
         )
 
     @torch.no_grad()
-    def _load_hf(self, model: nn.Module, args: ModelArgs) -> None:
+    def _load_hf(self, model: nn.Module, args: Any) -> None:
         for name, value in get_model_state_dict(model).items():
             hf_name = self._hf_name(name, args)
             # Which stored row each of ours is: the q/k permutation, applied to row numbers.
-            order = from_hf(hf_name, torch.arange(value.shape[0]).unsqueeze(1), args)[1].squeeze(1)
+            rows = torch.arange(value.shape[0]).unsqueeze(1)
+            order = self._hf.from_hf(hf_name, rows, args)[1].squeeze(1)
             if isinstance(value, DTensor):
                 # FSDP's Shard(0), tensor parallelism's Shard(0) or Shard(1), or both: each rank
                 # holds one block, contiguous in every dimension.

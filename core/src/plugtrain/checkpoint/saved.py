@@ -35,7 +35,7 @@ from plugtrain.checkpoint.object_store import MARKER, FsspecStorage
 from plugtrain.config import ModelConfig, build_section, check_url, is_url
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
-from plugtrain.model import FLAVORS, ModelArgs
+from plugtrain.model import ModelSpec, model_spec
 
 __all__ = [
     "WEIGHTS",
@@ -132,7 +132,10 @@ class SavedCheckpoint:
     source: CheckpointFolder
     config: dict[str, Any]
     """The resolved config of the run that saved it (its ``config.json``)."""
-    args: ModelArgs
+    spec: ModelSpec
+    """The family of its model (its config's ``model.family``; ``llama`` before there was one)."""
+    args: Any
+    """The shape of its model, an instance of ``spec.args``."""
     tokenizer_path: Path
     tokenizer: Tokenizer
 
@@ -182,10 +185,17 @@ def open_checkpoint(
             f"checkpoint '{folder}' is damaged: its {CONFIG} {what}; use another step-N folder "
             "of the run"
         ) from e
-    if flavor not in FLAVORS and flavor != "hf":
+    try:
+        spec = model_spec(config["model"].get("family", "llama"))
+    except UserError as e:
+        raise CheckpointError(
+            f"checkpoint '{folder}' names a model this plugtrain cannot build ({one_line(e)}): "
+            "use the plugtrain that trained it"
+        ) from e
+    if flavor not in spec.flavors and flavor != "hf":
         raise CheckpointError(
             f"checkpoint '{folder}' is of model flavor '{flavor}', which this plugtrain does not "
-            f"define (it has {', '.join(FLAVORS)}): use the plugtrain that trained it"
+            f"define (it has {', '.join(spec.flavors)}): use the plugtrain that trained it"
         )
     tokenizer_path = sample.resolve(tokenizer or named)
     if not tokenizer_path.is_file():
@@ -202,4 +212,4 @@ def open_checkpoint(
             "use the plugtrain that trained it"
         ) from e
     args = model.model_args(loaded.vocab_size, seq_len)
-    return SavedCheckpoint(source, config, args, tokenizer_path, loaded)
+    return SavedCheckpoint(source, config, spec, args, tokenizer_path, loaded)

@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from plugtrain.errors import ConfigError, FieldError, check_field, did_you_mean
-from plugtrain.model import FLAVORS, ModelArgs, RopeScaling, run_model_args
+from plugtrain.model import FAMILIES, FLAVORS, ModelArgs, RopeScaling, unknown_family
 
 
 @dataclass
 class ModelConfig:
-    """The model's shape and the tokenizer that sets its vocabulary."""
+    """The model's family and shape, and the tokenizer that sets its vocabulary."""
 
+    family: str = field(default="llama", metadata={"choices": tuple(FAMILIES)})
+    """The model family (``plugtrain.model.FAMILIES``): its architecture, flavors, tensor
+    parallelism, Hugging Face format and memory formula (its ``ModelSpec``). ``llama``: Llama
+    3's decoder (the keys below are its)."""
     flavor: str = field(default="debug", metadata={"choices": (*FLAVORS, "hf")})
-    """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.args.FLAVORS``), or ``hf``:
-    the shape a Hugging Face ``config.json`` gives (``model.hf_config``)."""
+    """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.llama.args.FLAVORS``), or
+    ``hf``: the shape a Hugging Face ``config.json`` gives (``model.hf_config``)."""
     hf_config: str = ""
     """With flavor ``hf``: a ``LlamaForCausalLM`` config.json, or the folder holding it. Its
     sizes, ``intermediate_size``, RoPE (theta, ``llama3`` scaling), tied embeddings, positions
@@ -60,12 +65,10 @@ class ModelConfig:
     the output projection. 1: the whole logits at once."""
 
     def __post_init__(self) -> None:
-        choices = (*FLAVORS, "hf")
-        if self.flavor not in choices:
-            raise ConfigError(
-                f"config key 'model.flavor' is '{self.flavor}'{did_you_mean(self.flavor, choices)};"
-                f" choose one of {', '.join(choices)}"
-            )
+        if self.family not in FAMILIES:
+            raise unknown_family(self.family)
+        if self.family == "llama":  # another family's flavors are checked when it is loaded
+            self._check_flavor(FLAVORS)
         if self.flavor == "hf":
             for key, default in _SHAPE_OPTIONS.items():
                 check_field(
@@ -88,6 +91,14 @@ class ModelConfig:
         except ValueError as e:
             raise FieldError("rope_scaling", f"is unusable: {e}") from None
 
+    def _check_flavor(self, flavors: Iterable[str]) -> None:
+        choices = (*flavors, "hf")
+        if self.flavor not in choices:
+            raise ConfigError(
+                f"config key 'model.flavor' is '{self.flavor}'{did_you_mean(self.flavor, choices)};"
+                f" choose one of {', '.join(choices)}"
+            )
+
     def rope_scaling_args(self) -> RopeScaling | None:
         """The RoPE scaling the ``rope_*`` keys ask for, or None."""
         if self.rope_scaling == "none":
@@ -106,11 +117,13 @@ class ModelConfig:
         With flavor ``hf`` the embedding has config.json's rows; a tokenizer with more tokens is
         refused in one line. The RoPE table always reaches ``seq_len``.
         """
-        if self.flavor == "hf":
-            # Here, not at the top: the rest of the config, and --help, need no torch.
-            from plugtrain.model import model_args_from_hf, read_hf_config
+        # Here, not at the top: the rest of the config, and --help, need no torch.
+        from plugtrain.model import model_spec, read_hf_config
 
-            args = model_args_from_hf(read_hf_config(self.hf_config))
+        spec = model_spec(self.family)
+        self._check_flavor(spec.flavors)
+        if self.flavor == "hf":
+            args = spec.hf.args_from_hf(read_hf_config(self.hf_config))
             if vocab_size is not None and vocab_size > args.vocab_size:
                 raise ConfigError(
                     f"the tokenizer has {vocab_size} tokens, more than the {args.vocab_size} "
@@ -122,11 +135,11 @@ class ModelConfig:
                 max_seq_len=max(args.max_seq_len, seq_len),
                 attention=ATTENTION_VARIANTS[self.attention],
             )
-        if vocab_size is None:
-            vocab_size = FLAVORS[self.flavor].vocab_size
-        args = run_model_args(self.flavor, vocab_size, seq_len)
+        args = spec.flavors[self.flavor]
         return dataclasses.replace(
             args,
+            vocab_size=args.vocab_size if vocab_size is None else vocab_size,
+            max_seq_len=max(args.max_seq_len, seq_len),
             tie_embeddings=self.tie_embeddings,
             ffn_dim=self.ffn_dim if self.ffn_dim is not None else args.ffn_dim,
             rope_scaling=self.rope_scaling_args(),

@@ -1,23 +1,34 @@
-"""The model: a Llama-style transformer, its FSDP2 sharding and tensor parallelism."""
+"""The model: the family seam (``ModelSpec``), Llama, FSDP2 sharding and tensor parallelism."""
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from plugtrain.model.args import FLAVORS as FLAVORS
-    from plugtrain.model.args import Gemm as Gemm
-    from plugtrain.model.args import ModelArgs as ModelArgs
-    from plugtrain.model.args import RopeScaling as RopeScaling
-    from plugtrain.model.args import run_model_args as run_model_args
     from plugtrain.model.decoding import TextTokenizer as TextTokenizer
     from plugtrain.model.decoding import complete as complete
     from plugtrain.model.decoding import generate as generate
     from plugtrain.model.decoding import next_token as next_token
-    from plugtrain.model.hf import from_hf as from_hf
-    from plugtrain.model.hf import hf_config as hf_config
-    from plugtrain.model.hf import model_args_from_hf as model_args_from_hf
-    from plugtrain.model.hf import parameter_shapes as parameter_shapes
-    from plugtrain.model.hf import read_hf_config as read_hf_config
-    from plugtrain.model.hf import to_hf as to_hf
+    from plugtrain.model.families import FAMILIES as FAMILIES
+    from plugtrain.model.families import hf_model_spec as hf_model_spec
+    from plugtrain.model.families import model_spec as model_spec
+    from plugtrain.model.families import unknown_family as unknown_family
+    from plugtrain.model.gemm import Gemm as Gemm
+    from plugtrain.model.init import Fill as Fill
+    from plugtrain.model.init import initialize as initialize
+    from plugtrain.model.llama.args import FLAVORS as FLAVORS
+    from plugtrain.model.llama.args import ModelArgs as ModelArgs
+    from plugtrain.model.llama.args import RopeScaling as RopeScaling
+    from plugtrain.model.llama.args import run_model_args as run_model_args
+    from plugtrain.model.llama.hf import from_hf as from_hf
+    from plugtrain.model.llama.hf import hf_config as hf_config
+    from plugtrain.model.llama.hf import model_args_from_hf as model_args_from_hf
+    from plugtrain.model.llama.hf import parameter_shapes as parameter_shapes
+    from plugtrain.model.llama.hf import to_hf as to_hf
+    from plugtrain.model.llama.memory import estimate_memory as estimate_memory
+    from plugtrain.model.llama.parallelize import check_tensor_parallel as check_tensor_parallel
+    from plugtrain.model.llama.spec import LLAMA as LLAMA
+    from plugtrain.model.llama.transformer import KVCache as KVCache
+    from plugtrain.model.llama.transformer import Transformer as Transformer
+    from plugtrain.model.llama.transformer import scale_rope_frequencies as scale_rope_frequencies
     from plugtrain.model.loss import ChunkedLoss as ChunkedLoss
     from plugtrain.model.loss import cross_entropy as cross_entropy
     from plugtrain.model.loss import logsumexp as logsumexp
@@ -28,17 +39,15 @@ if TYPE_CHECKING:
     from plugtrain.model.loss import summed_cross_entropy as summed_cross_entropy
     from plugtrain.model.memory import Checkpointing as Checkpointing
     from plugtrain.model.memory import MemoryEstimate as MemoryEstimate
-    from plugtrain.model.memory import estimate_memory as estimate_memory
     from plugtrain.model.sharding import DTYPES as DTYPES
     from plugtrain.model.sharding import build_model as build_model
     from plugtrain.model.sharding import replica_sync as replica_sync
     from plugtrain.model.sharding import reshard as reshard
-    from plugtrain.model.tensor_parallel import check_tensor_parallel as check_tensor_parallel
+    from plugtrain.model.spec import HFAdapter as HFAdapter
+    from plugtrain.model.spec import ModelSpec as ModelSpec
+    from plugtrain.model.spec import read_hf_config as read_hf_config
     from plugtrain.model.tensor_parallel import tensor_parallel_degree as tensor_parallel_degree
     from plugtrain.model.tensor_parallel import whole_logits as whole_logits
-    from plugtrain.model.transformer import KVCache as KVCache
-    from plugtrain.model.transformer import Transformer as Transformer
-    from plugtrain.model.transformer import scale_rope_frequencies as scale_rope_frequencies
 else:
     from plugtrain.exports import front_door
 

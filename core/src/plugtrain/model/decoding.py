@@ -15,7 +15,6 @@ from torch import nn
 
 from plugtrain.errors import UserError
 from plugtrain.model.tensor_parallel import tensor_parallel_degree, whole_logits
-from plugtrain.model.transformer import KVCache
 
 __all__ = ["TextTokenizer", "complete", "generate", "next_token"]
 
@@ -68,10 +67,11 @@ def generate(
     Decodes up to ``max_new_tokens`` tokens with :func:`next_token` (greedy by default); stops
     early once every row has written ``eos_id``, and pads a row that wrote it before the others
     with it. ``use_cache`` False recomputes the whole sequence at each step (the reference the
-    KV cache is checked against). ``model`` is a :class:`~plugtrain.model.transformer.Transformer`,
-    FSDP2-sharded, tensor-parallel (:func:`~plugtrain.model.tensor_parallel.whole_logits`) or
-    neither: sharded, every rank must call this with the same arguments (and generator state),
-    so that all join the same forwards and write the same tokens.
+    KV cache is checked against). ``model`` is a family's model (its ``kv_cache`` makes the
+    cache; Llama's :class:`~plugtrain.model.llama.transformer.Transformer`), FSDP2-sharded,
+    tensor-parallel (:func:`~plugtrain.model.tensor_parallel.whole_logits`) or neither: sharded,
+    every rank must call this with the same arguments (and generator state), so that all join
+    the same forwards and write the same tokens.
     """
     batch, prompt_len = tokens.shape
     max_seq_len = model.args.max_seq_len
@@ -86,7 +86,7 @@ def generate(
             "tokens and fewer new tokens"
         )
     length = prompt_len + max_new_tokens + padding
-    cache = KVCache(model.args, batch, length) if use_cache else None
+    cache = model.kv_cache(batch, length) if use_cache else None
     sequence, step_input = tokens, tokens
     done = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
     new: list[torch.Tensor] = []

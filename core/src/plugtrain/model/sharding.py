@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from plugtrain.model.tensor_parallel import parallelize
-from plugtrain.model.transformer import ModelArgs, Transformer
+from plugtrain.model.init import initialize
+from plugtrain.model.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The config's dtype names (``training.mixed_precision_*``) as torch dtypes."""
@@ -77,18 +78,20 @@ def reshard(model: nn.Module) -> None:
 
 
 def build_model(
-    args: ModelArgs,
+    spec: ModelSpec,
+    args: Any,
     mesh: DeviceMesh,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     device: torch.device,
     seed: int,
-    transform: Callable[[Transformer], None] | None = None,
+    transform: Callable[[nn.Module], None] | None = None,
     init_weights: bool = True,
     tp_mesh: DeviceMesh | None = None,
-) -> Transformer:
-    """Build on the meta device, ``transform`` it, split it over ``tp_mesh`` (tensor
-    parallelism, if given), shard it over ``mesh``, then materialise and initialise.
+) -> nn.Module:
+    """Build family ``spec``'s model of shape ``args`` on the meta device, ``transform`` it,
+    split it over ``tp_mesh`` (its TP plan, if given), shard it over ``mesh``, then materialise
+    and initialise it (its init plan).
 
     ``transform`` (the plugins' model hooks) sees the unsharded model on the meta device and
     changes it in place. No rank ever holds the full model, and ``init_weights`` gives the same
@@ -96,15 +99,14 @@ def build_model(
     (empty memory) for a caller that loads them (the initial load).
     """
     with torch.device("meta"):
-        model = Transformer(args)
+        model = spec.build(args)
     if transform is not None:
         transform(model)
     if tp_mesh is not None:
-        parallelize(model, tp_mesh)
+        spec.parallelize(model, tp_mesh)
     shard_model(model, mesh, param_dtype, reduce_dtype)
     model.to_empty(device=device)
     if init_weights:
-        model.init_weights(seed=seed)
-    else:
-        model.init_buffers()
+        initialize(model, spec.init_plan(model), seed)
+    model.init_buffers()
     return model

@@ -1,9 +1,10 @@
 """A run's memory estimate: its config's model, batch, dtypes and checkpointing on N processes.
 
-:func:`estimate_run` reads what :func:`~plugtrain.model.memory.estimate_memory` needs from a
+:func:`estimate_run` reads what the family's memory formula (``ModelSpec.memory``) needs from a
 config (the tokenizer's vocabulary, the microbatch, the mesh, the activation checkpointing
-plugin's section) and refuses what a run would refuse; the formulas are in
-:mod:`plugtrain.model.memory`. For ``plugtrain estimate`` and the trainer's start-up line.
+plugin's section) and refuses what a run would refuse; the formulas are each family's (Llama's
+in :mod:`plugtrain.model.llama.memory`). For ``plugtrain estimate`` and the trainer's start-up
+line.
 """
 
 from __future__ import annotations
@@ -15,12 +16,7 @@ from plugtrain.config import JobConfig
 from plugtrain.data import Tokenizer
 from plugtrain.distributed import mesh_shape
 from plugtrain.errors import ConfigError
-from plugtrain.model import (
-    Checkpointing,
-    MemoryEstimate,
-    check_tensor_parallel,
-    estimate_memory,
-)
+from plugtrain.model import Checkpointing, MemoryEstimate, model_spec
 
 __all__ = ["checkpointing_of", "estimate_run"]
 
@@ -47,7 +43,8 @@ def checkpointing_of(config: JobConfig) -> Checkpointing:
 def estimate_run(
     config: JobConfig, world_size: int, vocab_size: int | None = None
 ) -> MemoryEstimate:
-    """:func:`estimate_memory` for ``config`` on ``world_size`` processes.
+    """The memory formula of ``config``'s model family (``ModelSpec.memory``) for ``config``
+    on ``world_size`` processes.
 
     ``vocab_size`` is the tokenizer's; by default it is read from ``model.tokenizer_path``, or,
     where that file does not exist, the flavor's is used (and the estimate says so). With flavor
@@ -70,9 +67,10 @@ def estimate_run(
         vocab_size = Tokenizer.from_file(config.model.tokenizer_path).vocab_size
     if vocab_size is None and config.model.flavor != "hf":
         whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
+    spec = model_spec(config.model.family)
     args = config.model.model_args(vocab_size, train.seq_len)
-    check_tensor_parallel(args, par.tp, train.seq_len)
-    estimate = estimate_memory(
+    spec.check_parallel(args, par.tp, train.seq_len)
+    estimate = spec.memory(
         args,
         world_size=world_size,
         microbatch=train.batch_size // parts,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plugtrain import sample
@@ -50,10 +51,9 @@ from plugtrain.host import PluginHost
 from plugtrain.model import (
     DTYPES,
     ChunkedLoss,
-    Transformer,
     build_model,
-    check_tensor_parallel,
     cross_entropy,
+    model_spec,
     parallel_cross_entropy,
     parallel_summed_cross_entropy,
     replica_sync,
@@ -167,8 +167,10 @@ class Trainer:
         self.batches = SkippingLoader(
             DevicePrefetcher(loader, self.device), self.control.skip_ranges
         )
+        self.model_spec = model_spec(config.model.family)
+        """The model's family: its builder, TP plan, HF format, FLOPs (``model.ModelSpec``)."""
         self.model_args = config.model.model_args(self.tokenizer.vocab_size, train_cfg.seq_len)
-        check_tensor_parallel(self.model_args, self.world.tp, train_cfg.seq_len)
+        self.model_spec.check_parallel(self.model_args, self.world.tp, train_cfg.seq_len)
         # Under tensor parallelism the logits are sharded over the vocabulary: the loss (and its
         # backward) is computed on the shards, inside loss_parallel.
         self.loss_parallel = loss_parallel if self.world.tp > 1 else contextlib.nullcontext
@@ -178,6 +180,7 @@ class Trainer:
         )
         """Chat data's loss: the sum over the counted targets (``loss_mean`` normalises it)."""
         self.model = build_model(
+            self.model_spec,
             self.model_args,
             self.world.mesh,
             self.param_dtype,
@@ -258,7 +261,7 @@ class Trainer:
             return None
         accum = train_cfg.grad_accum_steps
         rows = train_cfg.batch_size // (self.world.world_size * accum)
-        gemms = self.model_args.gemms(rows, train_cfg.seq_len)
+        gemms = self.model_spec.gemms(self.model_args, rows, train_cfg.seq_len)
         return accum * matmul_seconds(gemms, self.device, self.param_dtype)
 
     def _train_dataset(self) -> PackedDataset | MixtureDataset:
@@ -348,7 +351,7 @@ class Trainer:
             what,
         )
 
-    def _transform_model(self, model: Transformer) -> None:
+    def _transform_model(self, model: nn.Module) -> None:
         """Fire the model hooks on the unsharded model, on the meta device: wrap, then compile;
         keep the training loss function they leave (a compiler may compile it)."""
         ctx = ModelContext(
@@ -534,7 +537,7 @@ class Trainer:
         logger.info(
             "training %s (%.1fM parameters) for %d steps on %d %s process(es), %s compute",
             cfg.model.flavor,
-            self.model_args.num_params() / 1e6,
+            self.model_spec.num_params(self.model_args) / 1e6,
             cfg.training.steps,
             self.world.world_size,
             self.device.type,
@@ -597,7 +600,7 @@ class Trainer:
                 train_cfg.batch_size * train_cfg.seq_len,
                 times["time_step_s"],
                 self.world.world_size,
-                self.model_args.flops_per_token(train_cfg.seq_len),
+                self.model_spec.flops_per_token(self.model_args, train_cfg.seq_len),
                 self.peak_tflops,
                 self.matmul_step_seconds,
             ),

@@ -1,4 +1,4 @@
-"""The Hugging Face Llama format of plugtrain's model: its config.json and its tensor names.
+"""The Llama family's Hugging Face format: its config.json and its tensor names.
 
 Both directions, one tensor at a time, so that an export streams and an import can read only
 what it needs. The only change besides the names is RoPE's layout: plugtrain (Meta's reference
@@ -15,23 +15,18 @@ no ``lm_head.weight`` (as transformers saves a tied model).
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from plugtrain.errors import CheckpointError, one_line
-from plugtrain.model.args import RopeScaling
-from plugtrain.model.transformer import ModelArgs
+from plugtrain.model.llama.args import ModelArgs, RopeScaling
 
 __all__ = [
     "from_hf",
     "hf_config",
     "model_args_from_hf",
     "parameter_shapes",
-    "read_hf_config",
     "to_hf",
 ]
 
@@ -195,23 +190,6 @@ def model_args_from_hf(config: dict[str, Any]) -> ModelArgs:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"config.json describes an unusable model: {one_line(e)}") from e
     return args
-
-
-def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The config.json at ``path`` (the file, or a folder holding it), as a dict; a one-line
-    :class:`CheckpointError` if it is missing or not JSON."""
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"cannot read Hugging Face config '{file}' ({one_line(e)}): give a config.json "
-            "or the folder holding it"
-        ) from e
-    if not isinstance(config, dict):
-        raise CheckpointError(f"Hugging Face config '{file}' is not a JSON object")
-    return config
 
 
 def parameter_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

@@ -1,10 +1,10 @@
-"""The Llama-style model's shapes, the named sizes, and the matrix products of a step.
+"""The Llama family's shapes, the named sizes, and the FLOPs and matrix products of a step.
 
-:class:`ModelArgs` is a shape, ``FLAVORS`` the named ones, and :class:`Gemm` one of the matrix
-products a training step makes at a shape (``ModelArgs.gemms``).
+:class:`ModelArgs` is a shape, ``FLAVORS`` the named ones; ``ModelArgs.gemms`` lists the
+matrix products (:class:`~plugtrain.model.gemm.Gemm`) a training step makes at a shape.
 
-Apart from the model (``model.transformer``) and free of torch, so that the config, and with
-it ``--help``, needs no torch.
+Apart from the model (``model.llama.transformer``) and free of torch, so that the config, and
+with it ``--help``, needs no torch.
 """
 
 from __future__ import annotations
@@ -12,25 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-
-@dataclass(frozen=True)
-class Gemm:
-    """One matrix product of a training step: ``batch`` products of ``(m, k)`` by ``(k, n)``."""
-
-    name: str
-    """What it computes: ``<weight>.forward``, ``<weight>.input_grad``, ``<weight>.weight_grad``
-    for a projection, ``attention.<scores|values>.<pass>`` for the attention's products."""
-    m: int
-    n: int
-    k: int
-    batch: int = 1
-    count: int = 1
-    """How many times a step makes this product (once per layer for a block's)."""
-
-    @property
-    def flops(self) -> int:
-        """Multiply-adds times two, over every product this stands for."""
-        return 2 * self.count * self.batch * self.m * self.n * self.k
+from plugtrain.model.gemm import Gemm
 
 
 @dataclass(frozen=True)

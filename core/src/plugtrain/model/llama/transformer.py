@@ -1,4 +1,4 @@
-"""A Llama-style decoder-only transformer: the model every plugtrain run trains.
+"""The Llama family's model: a decoder-only transformer, with its init plan and KV cache.
 
 The architecture is Llama 3's: pre-norm RMSNorm blocks, rotary position embeddings (RoPE),
 grouped-query attention (computed in ``model.attention``, the variant ``ModelArgs.attention``
@@ -12,14 +12,14 @@ the number of heads from the projected tensors, not from ``ModelArgs``.
 
 The trainer builds the model on the meta device, applies FSDP2 ``fully_shard`` to every
 ``TransformerBlock`` in ``Transformer.layers`` and to the root, materialises the shards with
-``to_empty`` and then calls ``Transformer.init_weights(seed)``. That method gives bit-identical
+``to_empty`` and then initialises it from ``Transformer.init_plan`` (``model.init``), as
+``Transformer.init_weights(seed)`` does. That gives bit-identical
 full parameters whatever the sharding, so a 1-process and an N-process run start from the
 same weights.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable
 from typing import TypeVar
@@ -27,10 +27,10 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from plugtrain.model.args import FLAVORS, ModelArgs, RopeScaling
 from plugtrain.model.attention import attention_variant
+from plugtrain.model.init import Fill, init_normal, init_ones, init_trunc_normal, initialize
+from plugtrain.model.llama.args import FLAVORS, ModelArgs, RopeScaling
 
 T = TypeVar("T")
 
@@ -108,27 +108,6 @@ def rotate_pairs(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     cos, sin = (real[None, :, None, :] if freqs_cis.dim() == 2 else real[:, :, None, :]).unbind(-1)
     a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
-
-
-Fill = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
-"""Fills a float32 CPU tensor in place from a generator and returns it (see init_weights)."""
-
-
-def init_ones(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Fill with ones (norm scales); draws nothing."""
-    return t.fill_(1.0)
-
-
-def init_normal(std: float) -> Fill:
-    """Fill with N(0, std^2)."""
-    return lambda t, generator: t.normal_(0.0, std, generator=generator)
-
-
-def init_trunc_normal(std: float) -> Fill:
-    """Fill with N(0, std^2) truncated at +-3 std (drawn from the truncated law, not clipped)."""
-    return lambda t, generator: nn.init.trunc_normal_(
-        t, 0.0, std, -3 * std, 3 * std, generator=generator
-    )
 
 
 class RMSNorm(nn.Module):
@@ -382,6 +361,10 @@ class Transformer(nn.Module):
             return F.linear(hidden, self.tok_embeddings.weight)
         return self.output(hidden)
 
+    def kv_cache(self, max_batch: int, max_seq_len: int | None = None) -> KVCache:
+        """An empty :class:`KVCache` for ``max_batch`` sequences of this model (decoding's)."""
+        return KVCache(self.args, max_batch, max_seq_len)
+
     def init_plan(self) -> list[tuple[nn.Parameter, Fill]]:
         """(parameter, how to fill it) for every parameter, in a fixed, sharding-free order.
 
@@ -406,35 +389,10 @@ class Transformer(nn.Module):
 
         Gives bit-identical full parameters whether they are plain tensors or FSDP2-sharded
         DTensors (any mesh, any world size), and whether the model was built on the CPU or on
-        the meta device and then ``to_empty``'d. See ``init_plan`` for the distributions.
-
-        Each parameter's FULL tensor is drawn on the CPU from its own ``torch.Generator``
-        (seeded from ``seed`` and the parameter's position in ``init_plan``), then every rank
-        keeps its shard. Calling ``nn.init`` on the DTensors directly would not do: DTensor
-        random ops on the CPU draw each shard from the local generator, so the full weights
-        would depend on the world size, and a 1-process run and an N-process run would start
-        from different weights. The cost is that every rank draws every full tensor once.
+        the meta device and then ``to_empty``'d (``model.init.initialize`` says how). See
+        ``init_plan`` for the distributions.
         """
-        plan = self.init_plan()
-        planned = {id(param) for param, _ in plan}
-        missing = [name for name, p in self.named_parameters() if id(p) not in planned]
-        if missing or len(planned) != len(plan):
-            raise RuntimeError(f"init_plan does not cover each parameter exactly once: {missing}")
-        for index, (param, fill) in enumerate(plan):
-            if param.is_meta:
-                raise RuntimeError(
-                    "init_weights called on meta parameters; materialise them first with "
-                    "model.to_empty(device=...)"
-                )
-            generator = torch.Generator().manual_seed(_param_seed(seed, index))
-            full = fill(torch.empty(param.shape, dtype=torch.float32), generator)
-            if isinstance(param, DTensor):
-                shard = distribute_tensor(
-                    full, param.device_mesh, param.placements, src_data_rank=None
-                )
-                param.to_local().copy_(shard.to_local())
-            else:
-                param.copy_(full)
+        initialize(self, self.init_plan(), seed)
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -444,12 +402,3 @@ class Transformer(nn.Module):
         self.freqs_cis = precompute_freqs_cis(
             args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling
         ).to(self.freqs_cis.device)
-
-
-def _param_seed(seed: int, index: int) -> int:
-    """A 63-bit generator seed for parameter ``index`` of run ``seed``.
-
-    Hashed rather than ``seed + index`` so that seed s and seed s+1 share no tensor streams.
-    """
-    digest = hashlib.sha256(f"plugtrain-init:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1

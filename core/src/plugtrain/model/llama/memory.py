@@ -1,0 +1,152 @@
+"""The Llama family's memory formula: what a training step holds on each device, by part.
+
+:func:`estimate_memory` adds up, in bytes per process, what a training step holds at its peak
+(the start of the last microbatch's backward, when every activation is still kept and the
+gradients of earlier microbatches are there):
+
+* **parameters**, **gradients** and **optimizer** state: fp32 parameters and gradients, and
+  fused AdamW's two fp32 moments, 4 + 4 + 8 bytes a parameter, divided by the world size when
+  FSDP2 shards the model (see :func:`~plugtrain.model.sharding.needs_sharding`);
+* **gathered**: what FSDP2 all-gathers in the compute dtype: the root's parameters (embedding,
+  final norm, output projection unless tied to the embedding: kept from forward to the end of
+  backward) and two blocks (the one computing and the one prefetched); and the unsharded
+  gradients of the output projection
+  (from the start of backward to its end) and of one block, plus that block's copy in the
+  reduce dtype when it differs;
+* **activations**: what autograd keeps for backward, :func:`layer_bytes_per_token` per block
+  and token, plus the final norm's, plus, with activation checkpointing, one block's full set
+  recomputed in its backward;
+* **logits**: ``12 * vocab`` bytes a token of the microbatch: the loss upcasts the logits to
+  fp32 and log-softmax keeps its fp32 output; at the start of backward that output, the
+  gradient NLL gives it and the gradient it gives back are three fp32 [tokens, vocab] tensors.
+  A loss in chunks (``loss_chunks``) holds them for one chunk's tokens at a time.
+
+What a block keeps, per token, read off ``llama/transformer.py``'s ops (``d`` = dim, ``q`` =
+n_heads * head_dim, ``kv`` = n_kv_heads * head_dim, ``H`` = ffn_hidden_dim, ``p`` = bytes of the
+compute dtype, the rest fp32):
+
+* without checkpointing, everything autograd saves: each of the two RMSNorms its fp32 input
+  (``4d``; under fp32 compute that is the residual stream itself), its inverse RMS (4) and
+  both its normalised output and that times the weight (``2pd``); attention the rotated
+  queries and keys, the values and SDPA's output (``p(2q + 2kv)``; RoPE's complex product
+  saves only the rotation table, the projections share the norm's output) and SDPA's fp32
+  log-sum-exp (``4 * n_heads``); the SwiGLU its two projections, the SiLU and their product
+  (``4pH``);
+* ``full`` checkpointing: the block's input only (``pd``);
+* ``selective`` by op: the block's input and the outputs of the seven matmuls and of SDPA
+  (``p(3d + 2q + 2kv + 2H) + 4 * n_heads``), the elementwise ops being recomputed;
+* ``selective`` by layer: every ``every``-th block as ``full``, the others as without.
+
+Not counted: the CUDA context, NCCL's buffers, the allocator's fragmentation, gradients of
+activations in flight during backward, ``torch.compile``'s buffers, and plugins' extra state
+(EMA weights, a loss term's own copy of the logits): leave a margin for them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from plugtrain.model.llama.args import ModelArgs
+from plugtrain.model.memory import Checkpointing, MemoryEstimate
+from plugtrain.model.sharding import DTYPES, needs_sharding
+
+__all__ = ["estimate_memory", "layer_bytes_per_token"]
+
+
+def layer_bytes_per_token(args: ModelArgs, compute_bytes: int, mode: str, tp: int = 1) -> int:
+    """Bytes one block keeps for backward per token, by checkpointing mode: ``none``,
+    ``full`` or ``op`` (the module docstring derives each from the block's ops), on each of
+    ``tp`` tensor-parallel ranks."""
+    d, p, h = args.dim, compute_bytes, args.ffn_hidden_dim
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    if mode == "full":
+        return p * d // tp
+    if mode == "op":
+        return (p * (3 * d + 2 * q + 2 * kv + 2 * h) + 4 * args.n_heads) // tp
+    norms = 2 * (4 * d + 4 + 2 * p * d) // tp
+    # Under tensor parallelism the two projections' inputs are the norms' outputs all-gathered
+    # over the sequence: each rank keeps both whole.
+    gathered = 2 * p * d if tp > 1 else 0
+    return norms + gathered + (p * (2 * q + 2 * kv) + 4 * args.n_heads + 4 * p * h) // tp
+
+
+def _root_params(args: ModelArgs) -> int:
+    """The parameters outside the blocks: embedding, output (unless tied to it), final norm."""
+    matrices = 1 if args.tie_embeddings else 2
+    return matrices * args.vocab_size * args.dim + args.dim
+
+
+def _block_params(args: ModelArgs) -> int:
+    return (args.num_params() - _root_params(args)) // args.n_layers
+
+
+def estimate_memory(
+    args: ModelArgs,
+    *,
+    world_size: int,
+    microbatch: int,
+    seq_len: int,
+    param_dtype: str,
+    reduce_dtype: str,
+    checkpointing: Checkpointing,
+    dp_replicate: int = 1,
+    tp: int = 1,
+    loss_chunks: int = 1,
+) -> MemoryEstimate:
+    """The bytes each of ``world_size`` processes holds at a step's peak, training ``args`` on
+    microbatches of ``microbatch`` sequences of ``seq_len`` tokens (dtypes by config name); the
+    model is sharded over ``world_size / dp_replicate`` of them (HSDP keeps that many copies).
+
+    Under tensor parallelism (``tp > 1``) those ranks are ``tp`` splitting each tensor times
+    the FSDP ranks sharding the splits (the norms, replicated over ``tp``, are counted split
+    too: a few vectors); FSDP gathers the splits only; the activations and logits of a
+    microbatch are split over ``tp`` but for the norms' all-gathered outputs. The loss computed
+    in ``loss_chunks`` chunks of tokens holds one chunk's logits at a time."""
+    p, r = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
+    n, tokens = args.num_params(), microbatch * seq_len
+    sharded = tp > 1 or needs_sharding(world_size, DTYPES[param_dtype], DTYPES[reduce_dtype])
+    ranks = world_size // dp_replicate if sharded else 1
+    where = f"fp32, 1/{ranks} of the model each" if sharded else "fp32, not sharded"
+    block, out_proj = _block_params(args), args.vocab_size * args.dim
+    gathered = 0
+    if needs_sharding(world_size // tp, DTYPES[param_dtype], DTYPES[reduce_dtype]):
+        gathered = p * (_root_params(args) + 2 * block + out_proj + block)
+        gathered += r * block if r != p else 0
+        gathered //= tp
+    per_layer = {m: layer_bytes_per_token(args, p, m, tp) for m in ("none", "full", "op")}
+    if checkpointing.mode == "layer":
+        full = args.n_layers // checkpointing.every
+        kept = full * per_layer["full"] + (args.n_layers - full) * per_layer["none"]
+    else:
+        kept = args.n_layers * per_layer[checkpointing.mode]
+    recompute = 0 if checkpointing.mode == "none" else per_layer["none"]
+    final_norm = (4 * args.dim + 4 + 2 * p * args.dim) // tp
+    return MemoryEstimate(
+        parts=(
+            ("parameters", math.ceil(n / ranks) * 4, where),
+            ("gradients", math.ceil(n / ranks) * 4, where),
+            ("optimizer", math.ceil(n / ranks) * 8, "AdamW's two moments, " + where),
+            (
+                "gathered",
+                gathered,
+                f"unsharded {param_dtype} root and 2 blocks, gradients of the output and a block"
+                if sharded
+                else "none: the model is not sharded",
+            ),
+            (
+                "activations",
+                tokens * (kept + final_norm + recompute),
+                f"{args.n_layers} blocks x {tokens} tokens, {checkpointing.describe()}",
+            ),
+            (
+                "logits",
+                math.ceil(tokens / loss_chunks) * args.vocab_size * 12 // tp,
+                "3 fp32 [tokens, vocab] in the loss"
+                + (f", split over tp {tp}" if tp > 1 else "")
+                + (f", one of {loss_chunks} chunks at a time" if loss_chunks > 1 else ""),
+            ),
+        ),
+        setting=f"{world_size} process(es)"
+        + (f" (tp {tp} x {world_size // tp} data-parallel)" if tp > 1 else "")
+        + f", microbatch {microbatch} x {seq_len} tokens, {param_dtype} compute",
+    )
