@@ -19,7 +19,7 @@ PLUGIN_API = {"plugtrain.plugin", "plugtrain.testing"}
 """The only core modules a plugin (or the plugin template) may import, in its code and its
 tests (the kit's modules, ``plugtrain.testing.<module>``, count as the kit)."""
 FLOORS = [
-    ["plugtrain", "plugtrain.errors", "plugtrain.exports", "plugtrain.sample"],
+    ["plugtrain", "plugtrain.errors", "plugtrain.exports", "plugtrain.sample", "plugtrain.urls"],
     ["plugtrain.distributed"],
     ["plugtrain.model"],
     ["plugtrain.evaluation"],  # scores a model: needs the model only

@@ -12,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from plugtrain.checkpoint.dcp_io import read_metadata
+from plugtrain.checkpoint.saved import locate_checkpoint
 from plugtrain.checkpoint.storage import DELETING, PARTIAL, LocalStorage
 from plugtrain.errors import CheckpointError
 from plugtrain.testing import SMALL_RUN_CONFIG, save_small_checkpoint
@@ -173,3 +174,22 @@ def test_staging_under_a_file_is_an_os_error(tmp_path):
     with pytest.raises(OSError):
         storage.stage(1, SMALL_RUN_CONFIG)
     assert storage.steps() == []
+
+
+def test_read_file_gives_a_checkpoints_bytes_and_locate_reads_through_it(storage, tmp_path):
+    save_small_checkpoint(storage, 3)
+    save_small_checkpoint(storage, 5, run_config={**SMALL_RUN_CONFIG, "seed": 5})
+    on_disk = (storage.where(5) / "config.json").read_bytes()
+    assert storage.read_file(5, "config.json") == on_disk
+    assert json.loads(on_disk)["seed"] == 5
+    with pytest.raises(FileNotFoundError):
+        storage.read_file(5, "nothing.json")
+    # A dump folder, its checkpoints folder and a step-N folder all name a checkpoint of it.
+    for path, step in ((tmp_path, 5), (storage.location, 5), (storage.where(3), 3)):
+        found = locate_checkpoint(path)
+        assert (found.step, found.location) == (step, storage.where(step))
+        assert found.read_file("config.json") == storage.read_file(step, "config.json")
+    with pytest.raises(CheckpointError, match=r"'.*step-4' is no complete checkpoint \(missing"):
+        locate_checkpoint(storage.location / "step-4")
+    with pytest.raises(CheckpointError, match=r"no checkpoint at '.*nowhere': give a run's dump"):
+        locate_checkpoint(tmp_path / "nowhere")

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from plugtrain.checkpoint import export
 from plugtrain.checkpoint.dcp_io import read_checkpoint
 from plugtrain.checkpoint.export import export_checkpoint, parse_size, write_hf_folder
-from plugtrain.checkpoint.saved import find_checkpoint, open_checkpoint
+from plugtrain.checkpoint.saved import locate_checkpoint, open_checkpoint
 from plugtrain.cli import main
 from plugtrain.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
 from plugtrain.model import FAMILIES, LLAMA, parameter_shapes
@@ -47,6 +47,11 @@ def fp32(run) -> Path:
     out = run.parent / "fp32"
     assert main(["export-hf", str(run), "-o", str(out), "--dtype", "float32"]) == 0
     return out
+
+
+def newest(run: Path) -> Path:
+    """The folder of ``run``'s latest complete checkpoint."""
+    return Path(locate_checkpoint(run).location)
 
 
 def plugtrain_model(checkpoint: Path) -> Transformer:
@@ -85,7 +90,7 @@ def test_fp32_export_gives_plugtrain_logits_and_the_tokenizer(run, fp32):
         "tokenizer.json",
         "tokenizer_config.json",
     ]
-    assert max_logit_error(find_checkpoint(run), fp32) < 1e-5
+    assert max_logit_error(newest(run), fp32) < 1e-5
     theirs = transformers.AutoTokenizer.from_pretrained(fp32)
     ours = Tokenizer.from_file(SAMPLE / "tokenizer.json")
     text = sample_text()
@@ -143,7 +148,7 @@ def test_export_without_the_qk_permutation_fails_the_logit_check(run, fp32, monk
     monkeypatch.setitem(FAMILIES, "llama", lambda: dataclasses.replace(LLAMA, hf=unpermuted))
     out = run.parent / "unpermuted"
     export_checkpoint(run, out, dtype=torch.float32)
-    assert max_logit_error(find_checkpoint(run), out) > 1e-5
+    assert max_logit_error(newest(run), out) > 1e-5
 
 
 def test_the_default_export_keeps_the_checkpoints_float32_and_says_so(run, fp32, capsys):
@@ -200,15 +205,15 @@ def test_ema_export_writes_the_average(run):
     assert (
         main(["export-hf", str(run), "-o", str(out), "--weights", "ema", "--dtype", "float32"]) == 0
     )
-    average = read_checkpoint(find_checkpoint(run), "plugins.ema.average.")
-    args = plugtrain_model(find_checkpoint(run)).args
+    average = read_checkpoint(newest(run), "plugins.ema.average.")
+    args = plugtrain_model(newest(run)).args
     expected = dict(
         to_hf(k.removeprefix("plugins.ema.average."), v, args) for k, v in average.items()
     )
     exported = tensors(out)
     assert exported.keys() == expected.keys()
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
-    model = read_checkpoint(find_checkpoint(run), "model.")
+    model = read_checkpoint(newest(run), "model.")
     assert not torch.equal(
         average["plugins.ema.average.output.weight"], model["model.output.weight"]
     )
@@ -240,7 +245,7 @@ def test_no_checkpoint_at_path(tmp_path, capsys):
 
 def damaged_copy(run: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "step-2"
-    shutil.copytree(find_checkpoint(run), copy)
+    shutil.copytree(newest(run), copy)
     return copy
 
 
@@ -264,7 +269,7 @@ def test_checkpoint_of_a_shape_the_format_cannot_express(run, tmp_path, capsys):
     state["model.layers.0.attention.wq.bias"] = torch.zeros(32)
     shutil.rmtree(copy)
     dcp.save(state, checkpoint_id=copy, no_dist=True)
-    shutil.copy(find_checkpoint(run) / "config.json", copy)
+    shutil.copy(newest(run) / "config.json", copy)
     err = refused(["export-hf", str(copy), "-o", str(tmp_path / "out")], capsys)
     assert (
         "tensor 'layers.0.attention.wq.bias' has no place in the Hugging Face Llama format" in err
@@ -331,7 +336,7 @@ def test_export_of_a_two_process_run_equals_the_one_process_export(tmp_path):
     one process (training itself is not bitwise across world sizes)."""
     two = tmp_path / "two"
     tiny_run(two, "--checkpoint.enable", "true", steps=2, world_size=2)
-    sharded = find_checkpoint(two)
+    sharded = newest(two)
     assert len(list(sharded.glob("*.distcp"))) == 2
     one = tmp_path / "one" / "step-2"
     dcp.save(read_checkpoint(sharded, "model."), checkpoint_id=one, no_dist=True)

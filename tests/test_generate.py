@@ -143,7 +143,7 @@ def damage(run: Path, tmp_path: Path, how: str) -> Path:
 @pytest.mark.parametrize(
     ("how", "message"),
     [
-        ("missing", r"nowhere' does not exist: give a run's dump folder or a step-N folder"),
+        ("missing", r"no checkpoint at '.*nowhere': give a run's dump folder \(job.dump_folder"),
         ("empty", r"no checkpoint at '.*': give a run's dump folder \(job.dump_folder, trained"),
         ("metadata", r"step-6 is damaged: cannot read its \.metadata"),
         ("shard", r"step-6' is damaged: .*; use another step-N folder"),

@@ -11,7 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from plugtrain.checkpoint import read_checkpoint
+from plugtrain.checkpoint import open_initial_load, read_checkpoint
+from plugtrain.checkpoint.storage import LocalStorage
+from plugtrain.config import CheckpointConfig
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError
 from plugtrain.model import cross_entropy, run_model_args
@@ -24,6 +26,7 @@ from plugtrain.testing import (
     read_metrics,
     run_distributed,
     save_random_llama,
+    save_small_checkpoint,
 )
 from plugtrain.training import configure, run_cli
 from plugtrain.training.trainer import Trainer
@@ -288,11 +291,11 @@ def test_bad_sources_are_refused_in_one_line_before_anything_is_written(
         "truncated": f"{key} '{tmp_path / 'truncated'}' has a damaged or missing "
         "model.safetensors (SafetensorError: Error while deserializing header",
         "missing": f"{key} '{tmp_path / 'missing'}' lacks 1 tensor(s) of the model: norm.weight;",
-        "no_metadata": f"{key} '{partial}' is a step-N folder without .metadata",
+        "no_metadata": f"{key} '{partial}' has a damaged .metadata",
         "rope_theta": f"{key} '{tmp_path / 'rope_theta'}' has rope_theta 500000.0 in its "
         "config.json, but model.flavor's model has 10000.0",
         "bias": f"{key} '{tmp_path / 'bias'}': config.json field 'attention_bias' is True",
-        "missing_folder": f"{key} '{tmp_path / 'nope'}' does not exist: give a Hugging Face",
+        "missing_folder": f"{key}: no checkpoint at '{tmp_path / 'nope'}': give a run's dump",
         "shape": f"{key} '{folders['whole']}' holds another model shape: tensor "
         "'tok_embeddings.weight' is [2048, 32] there and [2048, 256] in model.flavor's model "
         "here; pick the model.flavor of its shape",
@@ -320,3 +323,15 @@ def _cli_args(dump: Path) -> list[str]:
     from plugtrain.testing import tiny_args
 
     return tiny_args(dump)
+
+
+def test_a_local_dump_folder_names_its_latest_checkpoint_as_a_url_does(tmp_path):
+    storage = LocalStorage(tmp_path / "checkpoints")
+    save_small_checkpoint(storage, 2)
+    save_small_checkpoint(storage, 4)
+    for path in (tmp_path, storage.where(2)):
+        config = CheckpointConfig(initial_load_path=str(path), initial_load_model_only=True)
+        record = open_initial_load(config).record()
+        step = 2 if path.name == "step-2" else 4
+        assert (record["kind"], record["step"]) == ("plugtrain", step)
+        assert record["path"] == str(storage.where(step).resolve())

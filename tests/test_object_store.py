@@ -4,6 +4,7 @@ clean-up, retries and the one-line refusals; no training run (one server for the
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from plugtrain.checkpoint.dcp_io import read_checkpoint
 from plugtrain.checkpoint.object_store import MARKER, FsspecStorage, open_storage
+from plugtrain.checkpoint.saved import locate_checkpoint
 from plugtrain.config import JobInfoConfig
 from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.testing import SMALL_RUN_CONFIG, free_port, save_small_checkpoint
@@ -95,6 +97,23 @@ def test_a_delete_unlists_before_it_removes(s3_server, storage):
     save_small_checkpoint(storage, 2)
     storage.delete(2)
     assert storage.steps() == [] and objects(s3_server, storage) == []
+
+
+def test_read_file_gives_a_checkpoints_object_and_locate_reads_through_it(s3_server, storage):
+    save_small_checkpoint(storage, 3)
+    save_small_checkpoint(storage, 5, run_config={**SMALL_RUN_CONFIG, "seed": 5})
+    save_small_checkpoint(storage, 7, commit=False)
+    stored = s3_server.filesystem().cat_file(f"{storage.root}/step-5/config.json")
+    assert storage.read_file(5, "config.json") == stored and json.loads(stored)["seed"] == 5
+    with pytest.raises(OSError, match=r"download of .*step-5/nothing.json failed 2 times"):
+        storage.read_file(5, "nothing.json")
+    # The run's URL, its checkpoints prefix and a step-N prefix, as the local disk's paths.
+    for url, step in ((storage.url, 5), (storage.location, 5), (storage.where(3), 3)):
+        found = locate_checkpoint(url, s3_server.endpoint)
+        assert (found.step, found.location) == (step, storage.where(step))
+        assert found.read_file("config.json") == storage.read_file(step, "config.json")
+    with pytest.raises(CheckpointError, match=r"step-7' is no complete checkpoint \(missing"):
+        locate_checkpoint(storage.where(7), s3_server.endpoint)
 
 
 def test_a_save_to_a_stopped_store_fails_after_its_retries_and_keeps_the_last(s3_server, storage):

@@ -139,8 +139,12 @@ def test_a_url_without_a_complete_checkpoint_is_refused_in_one_line(s3_server):
     unmarked = s3_server.url("unmarked/checkpoints/step-9")
     s3_server.filesystem().pipe(f"{unmarked.removeprefix('s3://')}/.metadata", b"")
     for path, message in (
-        (unmarked, "is no complete checkpoint (it has no .committed marker"),
-        (s3_server.url("unmarked"), "no complete checkpoint at 's3://"),
+        (
+            unmarked,
+            "is no complete checkpoint (missing; or being written, or left by a crash: on "
+            "an object store it has no .committed marker)",
+        ),
+        (s3_server.url("unmarked"), "no checkpoint at 's3://"),
     ):
         with pytest.raises(CheckpointError, match=re.escape(message)) as e:
             from_checkpoint(path)

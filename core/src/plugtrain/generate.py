@@ -32,7 +32,6 @@ from torch import nn
 
 from plugtrain import sample
 from plugtrain.checkpoint import WEIGHTS, open_checkpoint, read_checkpoint
-from plugtrain.config import is_url
 from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, UserError, one_line
 from plugtrain.model import ModelSpec, complete, hf_model_spec
@@ -71,9 +70,8 @@ def from_checkpoint(
 
 
 def is_hf_folder(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a local Hugging Face model folder (safetensors weights and a config)."""
-    if is_url(path):
-        return False
+    """Whether ``path`` is a Hugging Face model folder (safetensors weights and a config): a
+    local one, as no URL's ``config.json`` is a local file."""
     path = Path(path)
     return (path / "config.json").is_file() and any(
         (path / name).is_file() for name in (HF_WEIGHTS, f"{HF_WEIGHTS}.index.json")

@@ -54,10 +54,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.optim import Optimizer
 
 from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner, flat_keys
-from plugtrain.checkpoint.layout import CONFIG, STEP_DIR
+from plugtrain.checkpoint.layout import CONFIG, STEP_DIR, checkpoint_folder, complete_checkpoints
 from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.saved import CheckpointFolder, locate_checkpoint
-from plugtrain.config import CheckpointConfig, is_url
+from plugtrain.config import CheckpointConfig
 from plugtrain.errors import CheckpointError, one_line
 from plugtrain.model import HFAdapter, hf_model_spec
 
@@ -126,8 +126,7 @@ class InitialLoad:
             out["model"] = self.config.get("_name_or_path") or self.path.resolve().name
             config = (self.path / CONFIG).read_bytes()
         else:
-            match = STEP_DIR.fullmatch(where.rpartition("/")[2])
-            out["step"] = int(match[1]) if match else None
+            out["step"] = self.source.step
             config = self.source.read_file(CONFIG)
         out["config_sha256"] = hashlib.sha256(config).hexdigest()
         out["model_only"] = self.model_only
@@ -355,24 +354,33 @@ def _open_plugtrain(source: CheckpointFolder, model_only: bool) -> InitialLoad:
     )
 
 
+def _is_hf_folder(path: str) -> bool:
+    """Whether ``path`` is a Hugging Face folder to read, rather than a plugtrain checkpoint:
+    a local folder that is no ``step-N`` checkpoint, nor a run's dump folder holding them."""
+    folder = Path(path)
+    return (
+        folder.is_dir()
+        and not (folder / ".metadata").is_file()
+        and not STEP_DIR.fullmatch(folder.name)
+        and not complete_checkpoints(checkpoint_folder(folder))
+    )
+
+
 def open_initial_load(config: CheckpointConfig) -> InitialLoad:
     """The checked source ``checkpoint.initial_load_path`` names (headers and metadata only
     are read); a one-line :class:`CheckpointError` for a missing or damaged folder."""
-    if is_url(config.initial_load_path):
-        try:
-            source = locate_checkpoint(config.initial_load_path, config.endpoint_url)
-        except CheckpointError as e:  # a Hugging Face folder is read from the local disk only
-            raise CheckpointError(f"{_KEY}: {e}") from e
-        return _open_plugtrain(source, config.initial_load_model_only)
-    path = Path(config.initial_load_path)
-    if not path.is_dir():
-        raise _refuse(path, "does not exist" if not path.exists() else "is not a folder")
-    if (path / ".metadata").is_file():
-        return _open_plugtrain(locate_checkpoint(path), config.initial_load_model_only)
-    if STEP_DIR.fullmatch(path.name):
-        raise _refuse(path, "is a step-N folder without .metadata (an incomplete checkpoint)")
-    if not (path / CONFIG).is_file():
-        raise _refuse(path, "has no config.json")
-    return _open_hf(
-        path, _read_json((path / CONFIG).read_bytes, CONFIG, path), config.initial_load_model_only
-    )
+    path, model_only = config.initial_load_path, config.initial_load_model_only
+    if _is_hf_folder(path):
+        folder = Path(path)
+        if not (folder / CONFIG).is_file():
+            raise _refuse(folder, "has no config.json")
+        return _open_hf(
+            folder, _read_json((folder / CONFIG).read_bytes, CONFIG, folder), model_only
+        )
+    try:
+        source = locate_checkpoint(path, config.endpoint_url)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{_KEY}: {e}; or give a Hugging Face model folder (config.json, model.safetensors)"
+        ) from e
+    return _open_plugtrain(source, model_only)

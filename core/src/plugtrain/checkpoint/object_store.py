@@ -42,10 +42,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import (
 from plugtrain.checkpoint.dcp_io import SafeMetadata
 from plugtrain.checkpoint.layout import CHECKPOINTS, CONFIG, STEP_DIR, checkpoint_folder
 from plugtrain.checkpoint.storage import CheckpointStorage, LocalStorage
-from plugtrain.config import is_url
 from plugtrain.errors import CheckpointError, one_line
+from plugtrain.urls import check_url, is_url
 
-__all__ = ["MARKER", "FsspecStorage", "SafeFsspecReader", "open_storage"]
+__all__ = ["MARKER", "FsspecStorage", "SafeFsspecReader", "open_checkpoints", "open_storage"]
 
 logger = logging.getLogger("plugtrain")
 
@@ -265,11 +265,7 @@ class FsspecStorage(CheckpointStorage):
         reader.fs.fs = self.fs
         return reader
 
-    def read_config(self, step: int) -> dict[str, Any]:
-        return json.loads(self.read_file(step, CONFIG))
-
     def read_file(self, step: int, name: str) -> bytes:
-        """The object ``name`` of the checkpoint of ``step`` (its ``config.json``)."""
         path = f"{self._prefix(step)}/{name}"
         return self._retry(f"download of {self.where(step)}/{name}", lambda: self.fs.cat_file(path))
 
@@ -302,3 +298,21 @@ def open_storage(
     if is_url(dump_folder):
         return FsspecStorage(os.fspath(dump_folder), endpoint_url, attempts=retries + 1)
     return LocalStorage(checkpoint_folder(dump_folder))
+
+
+def open_checkpoints(folder: str | os.PathLike[str], endpoint_url: str = "") -> CheckpointStorage:
+    """The checkpoint store whose ``step-<N>`` checkpoints are in ``folder`` itself: a local
+    folder, or a run's ``.../checkpoints`` prefix at a URL (checked, and the store reached,
+    here: a one-line error naming the URL)."""
+    if not is_url(folder):
+        return LocalStorage(folder)
+    url = os.fspath(folder).rstrip("/")
+    check_url(url, "checkpoint")
+    if not url.endswith(f"/{CHECKPOINTS}"):
+        raise CheckpointError(
+            f"'{url}' is no run's {CHECKPOINTS} prefix: give a run's dump folder URL or one "
+            f"complete .../{CHECKPOINTS}/step-N prefix"
+        )
+    storage = FsspecStorage(url.removesuffix(f"/{CHECKPOINTS}"), endpoint_url)
+    storage.check()
+    return storage

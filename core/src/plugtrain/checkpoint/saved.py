@@ -11,10 +11,8 @@ input, each in one line naming the path and the fix.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,16 +21,11 @@ from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plugtrain import sample
-from plugtrain.checkpoint.dcp_io import SafeFileSystemReader, read_metadata
-from plugtrain.checkpoint.layout import (
-    CHECKPOINTS,
-    CONFIG,
-    STEP_DIR,
-    checkpoint_folder,
-    complete_checkpoints,
-)
-from plugtrain.checkpoint.object_store import MARKER, FsspecStorage
-from plugtrain.config import ModelConfig, build_section, check_url, is_url
+from plugtrain.checkpoint.dcp_io import read_metadata
+from plugtrain.checkpoint.layout import CHECKPOINTS, CONFIG, STEP_DIR
+from plugtrain.checkpoint.object_store import MARKER, open_checkpoints
+from plugtrain.checkpoint.storage import CheckpointStorage
+from plugtrain.config import ModelConfig, build_section
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
 from plugtrain.model import ModelSpec, model_spec
@@ -41,7 +34,6 @@ __all__ = [
     "WEIGHTS",
     "CheckpointFolder",
     "SavedCheckpoint",
-    "find_checkpoint",
     "locate_checkpoint",
     "open_checkpoint",
 ]
@@ -52,77 +44,64 @@ or the average of the ``ema`` plugin (its ``state_dict``, read by name: the core
 plugin)."""
 
 
-def find_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint folder ``path`` names: itself (a ``step-N/`` folder), or the latest
-    complete checkpoint of the run whose dump folder (or ``checkpoints/`` folder) it is."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"'{path}' does not exist: give a run's dump folder or a step-N folder"
-        )
-    if (path / ".metadata").is_file() or (STEP_DIR.fullmatch(path.name) and path.is_dir()):
-        return path
-    found = complete_checkpoints(checkpoint_folder(path)) or complete_checkpoints(path)
-    if not found:
+@dataclass(frozen=True)
+class CheckpointFolder:
+    """One complete checkpoint, on the local disk or in an object store: its store and step,
+    through which it is read whatever the medium."""
+
+    storage: CheckpointStorage
+    step: int
+
+    @property
+    def location(self) -> Path | str:
+        """Its folder, or the URL of its prefix (for messages and records)."""
+        return self.storage.where(self.step)
+
+    def reader(self) -> StorageReader:
+        """A fresh safe DCP reader of it (``dcp_io.SafeMetadata``)."""
+        return self.storage.reader(self.step)
+
+    def read_file(self, name: str) -> bytes:
+        """The bytes of one of its files, by name (its ``config.json``)."""
+        return self.storage.read_file(self.step, name)
+
+
+def _named_store(
+    path: str | os.PathLike[str], endpoint_url: str
+) -> tuple[CheckpointStorage, int | None]:
+    """The checkpoint store ``path`` names, and the step it names (None: its latest): a
+    ``step-N`` folder names its parent and N; a ``checkpoints`` folder itself; else a run's
+    dump folder, its ``checkpoints`` folder."""
+    text = os.fspath(path).rstrip("/")
+    head, _, leaf = text.rpartition("/")
+    if step_dir := STEP_DIR.fullmatch(leaf):
+        return open_checkpoints(head or ".", endpoint_url), int(step_dir[1])
+    folder = text if leaf == CHECKPOINTS else f"{text}/{CHECKPOINTS}"
+    return open_checkpoints(folder, endpoint_url), None
+
+
+def locate_checkpoint(path: str | os.PathLike[str], endpoint_url: str = "") -> CheckpointFolder:
+    """The complete checkpoint ``path`` names, on the local disk or at a URL (``endpoint_url``:
+    an S3-compatible store's, else the AWS chain's): one ``step-N`` folder (an object store's
+    ``.../checkpoints/step-N`` prefix), or the latest of the run whose ``job.dump_folder`` (or
+    its ``checkpoints`` folder) ``path`` is. One-line :class:`CheckpointError` if there is none."""
+    storage, step = _named_store(path, endpoint_url)
+    try:
+        if step is not None and not storage.exists(step):
+            raise CheckpointError(
+                f"'{path}' is no complete checkpoint (missing; or being written, or left by a "
+                f"crash: on an object store it has no {MARKER} marker): give a complete step-N "
+                "folder or the run's dump folder"
+            )
+        steps = [step] if step is not None else storage.steps()
+    except OSError as e:
+        raise CheckpointError(f"cannot list '{path}': {one_line(e)}") from e
+    if not steps:
         raise CheckpointError(
             f"no checkpoint at '{path}': give a run's dump folder (job.dump_folder, trained with "
             "--checkpoint.enable true) that holds checkpoints/step-N, or one step-N folder"
         )
-    return found[max(found)]
-
-
-@dataclass(frozen=True)
-class CheckpointFolder:
-    """One checkpoint, on the local disk or in an object store: what reading it takes."""
-
-    location: Path | str
-    """Its folder, or the URL of its prefix (for messages and records)."""
-    reader: Callable[[], StorageReader]
-    """A fresh safe DCP reader of it (``dcp_io.SafeMetadata``)."""
-    read_file: Callable[[str], bytes]
-    """The bytes of one of its files, by name (its ``config.json``)."""
-
-
-def locate_checkpoint(path: str | os.PathLike[str], endpoint_url: str = "") -> CheckpointFolder:
-    """The checkpoint ``path`` names, as :func:`find_checkpoint` finds it; or, for a URL, a
-    complete (marked) ``.../checkpoints/step-N`` prefix, or the latest complete checkpoint of
-    the run whose ``job.dump_folder`` the URL is (``endpoint_url``: an S3-compatible store's,
-    else the AWS chain's). One-line :class:`CheckpointError` if there is none."""
-    if not is_url(path):
-        folder = find_checkpoint(path)
-        return CheckpointFolder(
-            folder,
-            functools.partial(SafeFileSystemReader, folder),
-            lambda n: (folder / n).read_bytes(),
-        )
-    url = os.fspath(path).rstrip("/")
-    check_url(url, "checkpoint")
-    head, _, leaf = url.rpartition("/")
-    step_dir = STEP_DIR.fullmatch(leaf) if head.endswith(f"/{CHECKPOINTS}") else None
-    storage = FsspecStorage(
-        (head if step_dir else url).removesuffix(f"/{CHECKPOINTS}"), endpoint_url
-    )
-    storage.check()
-    try:
-        steps = [int(step_dir[1])] if step_dir else storage.steps()
-        if step_dir and not storage.exists(steps[0]):
-            raise CheckpointError(
-                f"'{url}' is no complete checkpoint (it has no {MARKER} marker: being written, "
-                "or left by a crash): give a complete step-N prefix or the run's dump folder URL"
-            )
-    except OSError as e:
-        raise CheckpointError(f"cannot list '{url}': {one_line(e)}") from e
-    if not steps:
-        raise CheckpointError(
-            f"no complete checkpoint at '{url}': give a run's dump folder URL (job.dump_folder, "
-            "trained with --checkpoint.enable true) or one complete .../checkpoints/step-N prefix"
-        )
-    step = steps[-1]
-    return CheckpointFolder(
-        storage.where(step),
-        functools.partial(storage.reader, step),
-        functools.partial(storage.read_file, step),
-    )
+    return CheckpointFolder(storage, steps[-1])
 
 
 @dataclass(frozen=True)

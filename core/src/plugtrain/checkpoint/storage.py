@@ -19,7 +19,9 @@ What an implementation must guarantee (the manager's crash safety rests on it):
   every rank sees the same: once ``commit`` or ``delete`` has returned on rank 0, a barrier
   later every rank lists the change.
 - **Safe reading.** :meth:`~CheckpointStorage.reader` gives a DCP reader that unpickles DCP's
-  metadata classes only (``dcp_io.SafeMetadata``), whatever the medium.
+  metadata classes only (``dcp_io.SafeMetadata``), whatever the medium, and
+  :meth:`~CheckpointStorage.read_file` a checkpoint's other files: what readers of finished
+  checkpoints (``checkpoint.saved``) use, so they never branch on the medium.
 - **Errors.** A medium's failures are ``OSError`` (``ValueError`` for an unreadable run config):
   the manager turns them into one-line errors naming :meth:`~CheckpointStorage.where`.
 
@@ -114,8 +116,13 @@ class CheckpointStorage(ABC):
         """A safe DCP reader of the complete checkpoint of ``step``."""
 
     @abstractmethod
+    def read_file(self, step: int, name: str) -> bytes:
+        """The bytes of file ``name`` of the complete checkpoint of ``step`` (its
+        :data:`CONFIG`): the one way to read a checkpoint's files, whatever the medium."""
+
     def read_config(self, step: int) -> dict[str, Any]:
         """The run config saved with the complete checkpoint of ``step``."""
+        return json.loads(self.read_file(step, CONFIG))
 
     @abstractmethod
     def size(self, step: int) -> int:
@@ -193,8 +200,8 @@ class LocalStorage(CheckpointStorage):
     def reader(self, step: int) -> StorageReader:
         return SafeFileSystemReader(self.where(step))
 
-    def read_config(self, step: int) -> dict[str, Any]:
-        return json.loads((self.where(step) / CONFIG).read_text())
+    def read_file(self, step: int, name: str) -> bytes:
+        return (self.where(step) / name).read_bytes()
 
     def size(self, step: int) -> int:
         return sum(f.stat().st_size for f in self.where(step).iterdir() if f.is_file())

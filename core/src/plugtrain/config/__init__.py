@@ -21,9 +21,7 @@ from plugtrain.config.job import (
     JobConfig,
     JobInfoConfig,
     PluginsConfig,
-    check_url,
     fixed_on_resume,
-    is_url,
 )
 from plugtrain.config.loading import (
     SHIPPED_CONFIGS,
@@ -61,13 +59,11 @@ __all__ = [
     "ValidationConfig",
     "build_config",
     "build_section",
-    "check_url",
     "coerce",
     "enabled_plugins",
     "field_docs",
     "fixed_on_resume",
     "format_help",
-    "is_url",
     "merged_values",
     "parse_command_line",
     "section_doc",

@@ -7,13 +7,11 @@ other core section has a module of its own in this package.
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from plugtrain.config.checkpoint import CheckpointConfig
 from plugtrain.config.data import DataConfig, ValidationConfig
@@ -21,27 +19,8 @@ from plugtrain.config.metrics import MetricsConfig
 from plugtrain.config.model import ModelConfig
 from plugtrain.config.parallelism import ParallelismConfig
 from plugtrain.config.training import LRSchedulerConfig, OptimizerConfig, TrainingConfig
-from plugtrain.errors import ConfigError, require_extra
-
-
-def is_url(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is an fsspec URL (``s3://...``) rather than a local path."""
-    return "://" in os.fspath(path)
-
-
-def check_url(url: str, option: str) -> None:
-    """Refuse, in one line naming ``option``, a URL that carries credentials or misses a bucket,
-    or whose scheme's package is not installed."""
-    parts = urlsplit(url)
-    if parts.username or parts.password:
-        raise ConfigError(
-            f"{option} {parts.scheme}://...@{parts.hostname}/... holds credentials: remove them "
-            "from the URL and use the AWS credential chain (environment or ~/.aws files)"
-        )
-    if not parts.netloc:
-        raise ConfigError(f"{option} {url} names no bucket: use {parts.scheme}://BUCKET/PREFIX")
-    if parts.scheme in ("s3", "s3a"):
-        require_extra("s3fs", "s3", f"{option} {url}")
+from plugtrain.errors import ConfigError
+from plugtrain.urls import check_url, is_url
 
 
 @dataclass

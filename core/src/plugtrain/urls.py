@@ -1,0 +1,36 @@
+"""Where a path is a URL: the one test of a local path against an fsspec URL, and its check.
+
+Every place that takes a folder or a URL (``job.dump_folder``, the checkpoint readers) asks
+here, so the rule is written once; the checkpoint stores (``checkpoint.object_store``) are the
+only code that branches on it. It sits on the bottom floor, beside the errors, so that both the
+config and the checkpoint code may import it.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit
+
+from plugtrain.errors import ConfigError, require_extra
+
+__all__ = ["check_url", "is_url"]
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an fsspec URL (``s3://...``) rather than a local path."""
+    return "://" in os.fspath(path)
+
+
+def check_url(url: str, option: str) -> None:
+    """Refuse, in one line naming ``option``, a URL that carries credentials or misses a bucket,
+    or whose scheme's package is not installed."""
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        raise ConfigError(
+            f"{option} {parts.scheme}://...@{parts.hostname}/... holds credentials: remove them "
+            "from the URL and use the AWS credential chain (environment or ~/.aws files)"
+        )
+    if not parts.netloc:
+        raise ConfigError(f"{option} {url} names no bucket: use {parts.scheme}://BUCKET/PREFIX")
+    if parts.scheme in ("s3", "s3a"):
+        require_extra("s3fs", "s3", f"{option} {url}")
