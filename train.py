@@ -10,7 +10,7 @@ The loop is plugtrain.training.trainer.Trainer; plugins enabled in the config ho
 
 import sys
 
-from plugtrain.cli import train
+from plugtrain.commands.train import train
 
 if __name__ == "__main__":
     sys.exit(train(sys.argv[1:]))

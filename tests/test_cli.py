@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from plugtrain.cli import main, train
+from plugtrain.cli import COMMANDS, main
+from plugtrain.commands.train import train
 from plugtrain.data.prepare import SHARD_TOKENS
 from plugtrain.training.launch import run_cli
 
@@ -100,3 +101,34 @@ def test_what_needs_no_torch_does_not_import_it(argv):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stderr.splitlines()[-1] == "False", result.stderr
+
+
+def test_help_lists_every_command_and_imports_none_of_their_modules():
+    # In a fresh process: what `plugtrain --help` imported, and what it printed.
+    code = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print(sorted(m for m in sys.modules if m.startswith("
+        "'plugtrain.commands')), 'torch' in sys.modules, file=sys.stderr))\n"
+        "sys.argv = ['plugtrain', '--help']\n"
+        "runpy.run_module('plugtrain', run_name='__main__')\n"
+    )
+    env = {**os.environ, "COLUMNS": "200"}  # each command's summary on one line
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1] == "[] False"
+    listed = {
+        line.split()[0]: " ".join(line.split()[1:])
+        for line in result.stdout.split("positional arguments:")[1].splitlines()[2:]
+        if line.startswith("    ")
+    }
+    assert listed == {name: entry.summary for name, entry in COMMANDS.items()}
+
+
+def test_a_command_runs_its_own_module_and_parser(capsys):
+    assert sorted(help_of(["estimate"], capsys))  # its own parser, from its module
+    assert main(["estimate", "debug", "--gpus", "0"]) == 2
+    assert capsys.readouterr().err == "plugtrain: error: --gpus must be >= 1, got 0\n"
+    with pytest.raises(SystemExit) as e:
+        main(["plot", "a", "--training.steps", "3"])  # only plugins and estimate take these
+    assert e.value.code == 2
+    assert "unrecognized arguments: --training.steps 3" in capsys.readouterr().err

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugtrain.cli import main, train
+from plugtrain.cli import main
+from plugtrain.commands.train import train
 from plugtrain.data import Tokenizer
 from plugtrain.distributed import init_world
 from plugtrain.errors import DataError, MissingFileError

@@ -1,5 +1,5 @@
-"""Tests of ``plugtrain generate`` (plugtrain.generate): loading a checkpoint for inference,
-greedy and sampled completions against a cache-free reference, and bad input."""
+"""Tests of ``plugtrain generate`` (plugtrain.commands.generate): loading a checkpoint for
+inference, greedy and sampled completions against a cache-free reference, and bad input."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 from plugtrain.checkpoint.dcp_io import read_checkpoint
 from plugtrain.cli import main
+from plugtrain.commands.generate import from_checkpoint, load
 from plugtrain.errors import CheckpointError
-from plugtrain.generate import from_checkpoint, load
 from plugtrain.model.decoding import generate
 from plugtrain.testing import tiny_run
 

@@ -16,10 +16,10 @@ import torch
 
 from plugtrain import sample
 from plugtrain.checkpoint.export import write_hf_folder
+from plugtrain.commands.generate import load
 from plugtrain.config import ModelConfig
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError
-from plugtrain.generate import load
 from plugtrain.model import LLAMA, Transformer, from_hf, model_args_from_hf, read_hf_config
 from plugtrain.testing import HF_VARIANTS, hf_llama_folder, hf_llama_logits, make_trainer
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from plugtrain.cli import main
+from plugtrain.commands.generate import load
 from plugtrain.evaluation import encode_tasks, loglikelihoods, read_task
-from plugtrain.generate import load
 from plugtrain.testing import SAMPLE, tiny_run
 
 pytest.importorskip("lm_eval")

@@ -19,10 +19,11 @@ from plugtrain.checkpoint import checkpoint_folder, complete_checkpoints, read_c
 from plugtrain.checkpoint.faults import FAULT_ENV
 from plugtrain.checkpoint.initial import open_initial_load
 from plugtrain.checkpoint.object_store import MARKER, open_storage
-from plugtrain.cli import main, train
+from plugtrain.cli import main
+from plugtrain.commands.generate import from_checkpoint, load
+from plugtrain.commands.train import train
 from plugtrain.config import CheckpointConfig
 from plugtrain.errors import CheckpointError
-from plugtrain.generate import from_checkpoint, load
 from plugtrain.model import Transformer
 from plugtrain.plugin import hookimpl
 from plugtrain.testing import free_port, make_trainer, read_metrics, tiny_args

@@ -37,7 +37,7 @@ def test_a_tokenizer_and_data_inputs_by_sample_name():
 
 def test_generate_takes_a_sample_tokenizer_for_a_folder_without_one(tmp_path):
     pytest.importorskip("transformers")
-    from plugtrain.generate import from_hf_folder
+    from plugtrain.commands.generate import from_hf_folder
     from plugtrain.testing import hf_llama_folder
 
     folder = hf_llama_folder(tmp_path / "hf", tokenizer=False)

@@ -20,10 +20,10 @@ import torch.distributed as dist
 from plugtrain_compile import Compile
 
 from plugtrain.checkpoint import export_checkpoint, read_checkpoint
+from plugtrain.commands.generate import load as load_model
 from plugtrain.data import Tokenizer
 from plugtrain.distributed import mesh_shape
 from plugtrain.errors import ConfigError
-from plugtrain.generate import load as load_model
 from plugtrain.model import FLAVORS, check_tensor_parallel, from_hf, run_model_args, to_hf
 from plugtrain.plugin import full_tensor
 from plugtrain.testing import (

@@ -18,9 +18,9 @@ from plugtrain_downstream_eval import DownstreamEval
 from plugtrain_samples import Samples
 
 from plugtrain.cli import main
+from plugtrain.commands.generate import load
 from plugtrain.errors import UserError
 from plugtrain.evaluation import encode_tasks, loglikelihoods, read_task, score
-from plugtrain.generate import load
 from plugtrain.model import FLAVORS, complete, generate
 from plugtrain.plugin import ValidationContext, hookimpl
 from plugtrain.testing import (

@@ -1,7 +1,8 @@
 """train.py as a user runs it: exit codes and one-line errors.
 
-One run starts the script itself; the others call what it runs (``plugtrain.cli.train``, whose
-status it exits with) in this process, which saves a Python and torch start-up each.
+One run starts the script itself; the others call what it runs
+(``plugtrain.commands.train.train``, whose status it exits with) in this process, which saves a
+Python and torch start-up each.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from plugtrain_grad_scaler import GradScalerConfig
 from plugtrain_hook_recorder import HookRecorderConfig
 
 from plugtrain import sample
-from plugtrain.cli import train
+from plugtrain.commands.train import train
 from plugtrain.config import JobConfig
 from plugtrain.host.plugin_host import installed_plugins
 from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args

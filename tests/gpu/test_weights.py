@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from plugtrain.cli import main
-from plugtrain.generate import load
+from plugtrain.commands.generate import load
 from plugtrain.testing import tiny_run
 
 PROMPT = "ROMEO:"

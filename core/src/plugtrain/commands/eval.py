@@ -1,9 +1,10 @@
 """``plugtrain eval``: downstream tasks scored on a saved model, on one or several processes.
 
 The model comes from any input ``plugtrain generate`` reads (a dump folder's latest checkpoint,
-a ``step-N`` folder, an exported Hugging Face folder; :func:`plugtrain.generate.load`), whole on
-each process; the tasks are scored by :func:`plugtrain.evaluation.score`, the scorer of the
-``downstream_eval`` plugin, so the numbers are those the plugin logs for the same items. Under
+a ``step-N`` folder, an exported Hugging Face folder;
+:func:`plugtrain.commands.generate.load`), whole on each process; the tasks are scored by
+:func:`plugtrain.evaluation.score`, the scorer of the ``downstream_eval`` plugin, so the numbers
+are those the plugin logs for the same items. Under
 ``torchrun`` the items are split over the processes and the counts summed. Rank 0 prints a
 table (accuracy with its 95% Wilson interval) and writes the JSON file ``-o`` names.
 """
@@ -18,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plugtrain.commands.generate import add_model_arguments, load
 from plugtrain.errors import ConfigError
 from plugtrain.evaluation import Score, encode_tasks, read_task, score, wilson_interval
-from plugtrain.generate import load
 
-__all__ = ["results", "run"]
+__all__ = ["add_parser", "results", "run"]
 
 
 def _device(name: str, local_rank: int) -> torch.device:
@@ -49,6 +50,34 @@ def results(scores: dict[str, Score], paths: list[str]) -> dict[str, dict]:
             "acc_norm_95": list(wilson_interval(s.correct_norm, s.items)),
         }
     return out
+
+
+def add_parser(subparsers: argparse._SubParsersAction, summary: str) -> None:
+    """``plugtrain eval``'s parser, ``summary`` its line in ``plugtrain --help``."""
+    parser = subparsers.add_parser(
+        "eval",
+        help=summary,
+        description="Score the multiple-choice tasks of JSONL files ({context, choices, gold}, "
+        "or HellaSwag's own validation file) on the model of a run's dump folder (its latest "
+        "checkpoint), of a checkpoints/step-N folder or of an exported Hugging Face folder, as "
+        "the downstream_eval plugin does during training. Under torchrun the items are split "
+        "over the processes. Prints a table; -o writes the scores as JSON.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--tasks", nargs="+", required=True, metavar="FILE",
+        help="task files (sample:cloze.jsonl: the shipped Shakespeare cloze)",
+    )  # fmt: skip
+    parser.add_argument("-o", "--output", help="write the scores to this JSON file")
+    parser.add_argument(
+        "--max-items", type=int, default=0, help="items per task, evenly spaced (0: all)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="sequences per forward (default 32)"
+    )
+    parser.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="default: a GPU if any"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""Generate text from a saved model: load it for inference, then ``plugtrain generate``.
+"""``plugtrain generate``: load a saved model for inference, then print what it writes.
 
 Each kind of input has a loader that returns ``(ModelSpec, args, state_dict, Tokenizer)``: the
 model's family, its shape, and the state dict keyed by the model's own parameter names
@@ -36,7 +36,16 @@ from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, UserError, one_line
 from plugtrain.model import ModelSpec, complete, hf_model_spec
 
-__all__ = ["Loaded", "from_checkpoint", "from_hf_folder", "is_hf_folder", "load", "run"]
+__all__ = [
+    "Loaded",
+    "add_model_arguments",
+    "add_parser",
+    "from_checkpoint",
+    "from_hf_folder",
+    "is_hf_folder",
+    "load",
+    "run",
+]
 
 HF_WEIGHTS = "model.safetensors"
 """A Hugging Face folder's weights file (``model.safetensors.index.json`` lists its shards)."""
@@ -171,6 +180,51 @@ def _tokenizer_file(path: str | os.PathLike[str], tokenizer_path: str | None) ->
     if is_hf_folder(path):
         return Path(path) / "tokenizer.json"
     return open_checkpoint(path, None).tokenizer_path
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a command that loads a saved model with :func:`load` (``generate``,
+    ``eval``): its ``PATH``, ``--weights`` and ``--tokenizer``."""
+    parser.add_argument(
+        "path",
+        metavar="PATH",
+        help="a run's dump folder or step-N folder (or its s3:// URL), or a Hugging Face folder",
+    )
+    parser.add_argument(
+        "--weights", choices=("model", "ema"), default="model", help="ema: the ema plugin's average"
+    )
+    parser.add_argument(
+        "--tokenizer", default=None, help="a tokenizer.json, or sample:NAME (default: the run's)"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction, summary: str) -> None:
+    """``plugtrain generate``'s parser, ``summary`` its line in ``plugtrain --help``."""
+    parser = subparsers.add_parser(
+        "generate",
+        help=summary,
+        description="Load the model of a run's dump folder (its latest checkpoint), of a "
+        "checkpoints/step-N folder or of an exported Hugging Face folder and print the text it "
+        "writes after --prompt, up to its end-of-text token. Greedy by default; --temperature "
+        "> 0 samples.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user message, rendered with the model's chat template",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=100, help="at most this many tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="sample among the k likeliest (0: all)"
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampling generator")
+    parser.add_argument(
+        "--device", default="auto", help="cpu, cuda, cuda:N (default: a GPU if any)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

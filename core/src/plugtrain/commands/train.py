@@ -1,0 +1,34 @@
+"""``plugtrain train`` (and ``train.py``): a run from its command line, the Trainer's."""
+
+from __future__ import annotations
+
+import argparse
+
+from plugtrain.training import configure, ends_quietly, run_cli
+
+__all__ = ["add_parser", "train"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction, summary: str) -> None:
+    """``plugtrain train``'s entry in ``plugtrain --help``: its arguments go to :func:`train` as
+    they are (argparse must neither read nor reorder them)."""
+    subparsers.add_parser("train", add_help=False, help=summary)
+
+
+def train(argv: list[str], prog: str = "train.py") -> int:
+    """Run the training command line ``argv`` (``train.py``'s, ``plugtrain train``'s) and
+    return its exit status; ``prog`` names the command in ``--help``."""
+
+    def main() -> None:
+        configured = configure(argv, prog)
+        if configured is None:  # --help
+            return
+        # Here, not at the top: --help and a config error need no torch (seconds to import).
+        from plugtrain.distributed import destroy_world
+        from plugtrain.training import Trainer
+
+        config, host = configured
+        Trainer(config, host).run()  # on an error, run_cli reports it and exits
+        destroy_world()
+
+    return ends_quietly(lambda: run_cli(main))
