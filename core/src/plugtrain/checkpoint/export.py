@@ -244,60 +244,14 @@ def write_hf_folder(
         )
     if dtype not in _SAFETENSORS_DTYPES:
         raise UserError(f"cannot export in {dtype}: choose float32, bfloat16 or float16")
-    tokenizer_path = Path(tokenizer_path)
-    tokenizer_json, tokenizer_config, generation_config, ids = _tokenizer_files(
-        tokenizer_path, args
-    )
-    shapes = hf.parameter_shapes(args)
-    hf_names = {name: hf.to_hf(name, torch.empty(0), args, permute=False)[0] for name in shapes}
-    hf_shapes = {hf_names[name]: shape for name, shape in shapes.items()}
-    item = torch.empty(0, dtype=dtype).element_size()
-    sizes = {name: item * torch.Size(shape).numel() for name, shape in shapes.items()}
-    shards = _shards(sizes, max_shard_size)
-    files = (
-        ["model.safetensors"]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
+    tokenizer_files = _tokenizer_files(Path(tokenizer_path), args)
     partial = out.with_name(out.name + ".partial")
     try:
         if partial.exists():  # left by an export that crashed
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
-        weight_map = {}
-        for file, names in zip(files, shards, strict=True):
-            with open(partial / file, "wb") as f:
-                _write(f, _header([hf_names[n] for n in names], hf_shapes, dtype))
-                for name in names:
-                    hf_name, tensor = hf.to_hf(name, load(name), args)
-                    if tuple(tensor.shape) != shapes[name]:
-                        raise CheckpointError(
-                            f"tensor '{name}' has shape {tuple(tensor.shape)}, but the model's "
-                            f"config gives {shapes[name]}: export the checkpoint of this model"
-                        )
-                    tensor = tensor.to(dtype).contiguous()
-                    _write(f, tensor.reshape(-1).view(torch.uint8).numpy())
-                    weight_map[hf_name] = file
-        if len(files) > 1:
-            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-            _write_json(partial / "model.safetensors.index.json", index)
-        _write_json(
-            partial / "config.json",
-            hf.hf_config(
-                args,
-                dtype=dtype,
-                bos_token_id=ids["bos_token_id"],
-                eos_token_id=ids["eos_token_id"],
-            ),
-        )
-        _write_json(partial / "generation_config.json", generation_config)
-        _write_json(partial / "tokenizer_config.json", tokenizer_config)
-        template = ChatTemplate.for_tokenizer(tokenizer_path)
-        if (
-            template.source != DEFAULT_CHAT_TEMPLATE
-        ):  # the model's own: apply_chat_template reads it
-            (partial / "chat_template.jinja").write_text(template.source)
-        _write_json(partial / "tokenizer.json", tokenizer_json)
+        _write_weights(partial, args, hf, load, dtype, max_shard_size)
+        _write_configs(partial, args, hf, dtype, Path(tokenizer_path), tokenizer_files)
         if out.exists():
             doomed = out.with_name(out.name + ".deleting")
             out.rename(doomed)
@@ -313,6 +267,75 @@ def write_hf_folder(
             ) from e
         raise
     return out
+
+
+def _write_weights(
+    folder: Path,
+    args: Any,
+    hf: HFAdapter,
+    load: Callable[[str], torch.Tensor],
+    dtype: torch.dtype,
+    max_shard_size: int,
+) -> None:
+    """Write the model's safetensors files in format ``hf`` into ``folder``, one tensor at a
+    time (``load``, see :func:`write_hf_folder`), in shards of at most ``max_shard_size`` bytes
+    with their index."""
+    shapes = hf.parameter_shapes(args)
+    hf_names = {name: hf.to_hf(name, torch.empty(0), args, permute=False)[0] for name in shapes}
+    hf_shapes = {hf_names[name]: shape for name, shape in shapes.items()}
+    item = torch.empty(0, dtype=dtype).element_size()
+    sizes = {name: item * torch.Size(shape).numel() for name, shape in shapes.items()}
+    shards = _shards(sizes, max_shard_size)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    for file, names in zip(files, shards, strict=True):
+        with open(folder / file, "wb") as f:
+            _write(f, _header([hf_names[n] for n in names], hf_shapes, dtype))
+            for name in names:
+                hf_name, tensor = hf.to_hf(name, load(name), args)
+                if tuple(tensor.shape) != shapes[name]:
+                    raise CheckpointError(
+                        f"tensor '{name}' has shape {tuple(tensor.shape)}, but the model's "
+                        f"config gives {shapes[name]}: export the checkpoint of this model"
+                    )
+                tensor = tensor.to(dtype).contiguous()
+                _write(f, tensor.reshape(-1).view(torch.uint8).numpy())
+                weight_map[hf_name] = file
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        _write_json(folder / "model.safetensors.index.json", index)
+
+
+def _write_configs(
+    folder: Path,
+    args: Any,
+    hf: HFAdapter,
+    dtype: torch.dtype,
+    tokenizer_path: Path,
+    tokenizer_files: tuple[dict, dict, dict, dict],
+) -> None:
+    """Write the model's ``config.json`` and its tokenizer's files (:func:`_tokenizer_files`)
+    into ``folder``, with the chat template when the tokenizer has its own."""
+    tokenizer_json, tokenizer_config, generation_config, ids = tokenizer_files
+    _write_json(
+        folder / "config.json",
+        hf.hf_config(
+            args,
+            dtype=dtype,
+            bos_token_id=ids["bos_token_id"],
+            eos_token_id=ids["eos_token_id"],
+        ),
+    )
+    _write_json(folder / "generation_config.json", generation_config)
+    _write_json(folder / "tokenizer_config.json", tokenizer_config)
+    template = ChatTemplate.for_tokenizer(tokenizer_path)
+    if template.source != DEFAULT_CHAT_TEMPLATE:  # the model's own: apply_chat_template reads it
+        (folder / "chat_template.jinja").write_text(template.source)
+    _write_json(folder / "tokenizer.json", tokenizer_json)
 
 
 def _write_json(path: Path, value: Any) -> None:

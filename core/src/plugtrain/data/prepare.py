@@ -318,6 +318,27 @@ def _locked(out: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _check_sizes(sizes: dict[str, int]) -> None:
+    """Refuse, naming the option, a count of workers, tokens or bytes below 1."""
+    for name, value in sizes.items():
+        if value < 1:
+            raise DataError(f"{name} must be >= 1, got {value}")
+
+
+def _commit(partial: Path, out: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest`` into the complete ``partial`` folder, then make it ``out``, durably:
+    a crash at any moment leaves the old ``out`` or the new one, never a part of it."""
+    with open(partial / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(partial)
+    if out.exists():
+        shutil.rmtree(out)
+    os.rename(partial, out)
+    _fsync_dir(out.parent)
+
+
 def prepare(
     inputs: Sequence[str],
     out: str | os.PathLike[str],
@@ -347,10 +368,7 @@ def prepare(
     files = expand_inputs(inputs)
     check_extras(files)
     workers = workers or os.cpu_count() or 1
-    sizes = {"--workers": workers, "--shard-tokens": shard_tokens, "chunk_bytes": chunk_bytes}
-    for name, value in sizes.items():
-        if value < 1:
-            raise DataError(f"{name} must be >= 1, got {value}")
+    _check_sizes({"--workers": workers, "--shard-tokens": shard_tokens, "chunk_bytes": chunk_bytes})
     layout = Layout(text_field, shard_tokens, chunk_bytes)
     tokenizer = Tokenizer.from_file(tokenizer_path)
     tokenizer_sha = file_sha256(tokenizer_path)
@@ -374,14 +392,8 @@ def prepare(
                 encoder,
             )
             total_bytes = sum(f.stat().st_size for f in files)
-            manifest = _write(
-                chunks,
-                partial,
-                tokenizer,
-                layout,
-                _Progress(total_bytes, progress, progress_every),
-                encoder,
-            )
+            progress_bar = _Progress(total_bytes, progress, progress_every)
+            manifest = _write(chunks, partial, tokenizer, layout, progress_bar, encoder)
             if manifest["num_documents"] == 0:
                 raise DataError(f"inputs {list(inputs)} hold no documents: give non-empty files")
             manifest.update(
@@ -393,15 +405,7 @@ def prepare(
                     "vocab_size": tokenizer.vocab_size,
                 },
             )
-            with open(partial / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(partial)
-            if out.exists():
-                shutil.rmtree(out)
-            os.rename(partial, out)
-            _fsync_dir(out.parent)
+            _commit(partial, out, manifest)
         except BaseException as e:
             shutil.rmtree(partial, ignore_errors=True)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
