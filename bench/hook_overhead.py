@@ -86,7 +86,7 @@ class HandWrittenLoop:
             self.model = build_model(
                 trainer.model_spec,
                 trainer.model_args,
-                trainer.world.mesh,
+                trainer.parallel_dims.get_mesh("dp"),
                 trainer.param_dtype,
                 trainer.reduce_dtype,
                 device,

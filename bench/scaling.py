@@ -78,7 +78,7 @@ def worker(train_args: list[str], threads: int, warmup: int, steps: int) -> dict
         v for state in trainer.optimizer.state.values() for v in state.values() if v.dim() > 0
     ]
     return {
-        "rank": trainer.world.rank,
+        "rank": trainer.parallel_dims.rank,
         "step_seconds": times,
         "param_bytes": tensor_bytes(list(trainer.model.parameters())),
         "grad_bytes": probe.bytes,

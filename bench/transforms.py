@@ -133,8 +133,8 @@ class PlainLoop:
 
             policy = MixedPrecisionPolicy(trainer.param_dtype, trainer.reduce_dtype)
             for block in self.model.layers:
-                fully_shard(block, mesh=trainer.world.mesh, mp_policy=policy)
-            fully_shard(self.model, mesh=trainer.world.mesh, mp_policy=policy)
+                fully_shard(block, mesh=trainer.parallel_dims.get_mesh("dp"), mp_policy=policy)
+            fully_shard(self.model, mesh=trainer.parallel_dims.get_mesh("dp"), mp_policy=policy)
             self.model.to_empty(device="cpu")
         self.model.init_weights(cfg.training.seed)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, trainer.device)

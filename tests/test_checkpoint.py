@@ -135,9 +135,9 @@ def sigterm_scenario(
         "stateless_loaded": plugins["stateless"].loaded,
         "straight_params": full_parameters(straight),
         "resumed_params": full_parameters(second),
-        "rank": second.world.rank,
+        "rank": second.parallel_dims.rank,
     }
-    if second.world.is_main:
+    if second.parallel_dims.is_main:
         result["straight_records"] = read_metrics(root_path / "straight")
         result["resumed_records"] = read_metrics(resumed_folder)
     return result

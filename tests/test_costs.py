@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _len_torch_dispatch_stack
 
-from plugtrain.distributed import init_world
+from plugtrain.config import ParallelismConfig
+from plugtrain.distributed import init_parallel_dims
 from plugtrain.observability.costs import CostCounter
 from plugtrain.plugin import hookimpl, local_tensor
 from plugtrain.testing import run_distributed, tiny_args
@@ -86,7 +87,7 @@ def test_counters_nest_and_reentering_one_counts_once():
 
 
 def test_ignore_leaves_out_reads_but_not_collectives():
-    init_world("cpu")
+    init_parallel_dims("cpu", ParallelismConfig())
     with CostCounter() as costs:
         with CostCounter.ignore():
             SCALAR.item()
@@ -126,11 +127,11 @@ def test_reads_in_backward_count_when_they_run_an_aten_op():
 
 
 def test_collectives_on_one_process_count_by_op():
-    world = init_world("cpu")
+    mesh = init_parallel_dims("cpu", ParallelismConfig()).get_mesh("dp")
     with CostCounter() as costs:
         dist.all_reduce(torch.ones(2))
         dist.all_reduce(torch.ones(2))
-        funcol.all_reduce(torch.ones(2), "sum", world.mesh).wait()  # wait_tensor: no collective
+        funcol.all_reduce(torch.ones(2), "sum", mesh).wait()  # wait_tensor: no collective
         dist.barrier()
     assert costs.collectives == {
         "c10d.allreduce_": 2, "_c10d_functional.all_reduce": 1, "c10d.barrier": 1
@@ -139,16 +140,16 @@ def test_collectives_on_one_process_count_by_op():
 
 
 def test_a_dtensor_read_counts_once():
-    world = init_world("cpu")
-    replicated = DTensor.from_local(torch.tensor([1.0, 2.0]), world.mesh, [Replicate()])
+    mesh = init_parallel_dims("cpu", ParallelismConfig()).get_mesh("dp")
+    replicated = DTensor.from_local(torch.tensor([1.0, 2.0]), mesh, [Replicate()])
     with CostCounter() as costs:
         replicated.sum().item()
     assert costs.syncs == {"Tensor.item": 1}
 
 
 def _partial_plus_one() -> tuple[dict, dict]:
-    world = init_world("cpu")
-    partial = DTensor.from_local(torch.ones(2), world.mesh, [Partial()])
+    mesh = init_parallel_dims("cpu", ParallelismConfig()).get_mesh("dp")
+    partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
     with CostCounter() as costs:
         result = partial + 1  # DTensor all-reduces the partial sums inside the op
     assert result.to_local().tolist() == [3.0, 3.0]

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from plugtrain.data.skips import SKIP_FILE, SkippingLoader, read_skip_file, write_skip_file
-from plugtrain.distributed import World
+from plugtrain.distributed import ParallelDims
 from plugtrain.errors import CheckpointError, DataError
 from plugtrain.plugin import Rewind, RunControl, SkipRange
 from plugtrain.training.requests import RunRequests
@@ -63,7 +62,7 @@ class NoCheckpoint:
 
 def test_a_rewind_with_no_checkpoint_to_go_to_is_refused_before_it_is_recorded(tmp_path):
     control = RunControl()
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    world = ParallelDims()
     requests = RunRequests(
         control, SkippingLoader(Counting(), control.skip_ranges), NoCheckpoint(), tmp_path, world
     )
@@ -102,7 +101,7 @@ class SaveInFlight:
 def test_a_kill_during_a_rewind_restarts_to_the_checkpoint_saved_in_flight(tmp_path):
     # A rewind asked while step-16's async save uploads goes to step-16; killed as it begins
     # (before a restart can see that save), the restart must go there too, not to step-12.
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    world = ParallelDims()
     control = RunControl()
     killed = SaveInFlight({12}, in_flight=16, kill=True)
     batches = SkippingLoader(Counting(), control.skip_ranges)

@@ -62,7 +62,9 @@ def every_scenario(root: str) -> dict:
     trainer = make_trainer(base / "veto", *veto, plugins=[("watcher", watcher)])
     watcher.trainer = trainer
     trainer.run()
-    result.update(changed=watcher.changed, lr_steps=watcher.lr_steps, rank=trainer.world.rank)
+    result.update(
+        changed=watcher.changed, lr_steps=watcher.lr_steps, rank=trainer.parallel_dims.rank
+    )
     return result
 
 

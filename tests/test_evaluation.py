@@ -13,8 +13,9 @@ import torch
 
 from plugtrain.cli import main
 from plugtrain.commands.train import train
+from plugtrain.config import ParallelismConfig
 from plugtrain.data import Tokenizer
-from plugtrain.distributed import init_world
+from plugtrain.distributed import init_parallel_dims
 from plugtrain.errors import DataError, MissingFileError
 from plugtrain.evaluation import Score, encode_tasks, read_task, score, wilson_interval
 from plugtrain.model import FLAVORS, LLAMA, Transformer, build_model
@@ -103,13 +104,13 @@ def test_scores_equal_the_reference_whatever_the_batch(task_file, expected):
 
 
 def _score_on_rank(task_file: str) -> Score:
-    world = init_world("cpu")
-    model = build_model(LLAMA, ARGS, world.mesh, torch.float32, torch.float32, world.device, seed=0)
+    dims = init_parallel_dims("cpu", ParallelismConfig())
+    model = build_model(
+        LLAMA, ARGS, dims.get_mesh("dp"), torch.float32, torch.float32, dims.device, seed=0
+    )
     encoded = encode_tasks([read_task(task_file)], TOKENIZER, ARGS.max_seq_len)
     # Batches of 2: rank 0 has 5 items' choices, rank 1 four: rank 1 runs a padding forward.
-    return score(model, encoded, batch_size=2, rank=world.rank, world_size=world.world_size)[
-        "plays"
-    ]
+    return score(model, encoded, batch_size=2, rank=dims.rank, world_size=dims.world_size)["plays"]
 
 
 @pytest.mark.slow

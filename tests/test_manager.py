@@ -192,7 +192,7 @@ def test_two_loss_scalers_are_refused():
     host = PluginHost()
     host.register(LossScaler(), "a")
     host.register(LossScaler(), "b")
-    ctx = SetupContext(*[None] * 10, name_of=host.name_of, export_hf=None)
+    ctx = SetupContext(*[None] * 8, name_of=host.name_of, export_hf=None)
     with pytest.raises(PluginError, match=r"plugins '[ab]' and '[ab]' both scale the loss"):
         host.setup(ctx)
 

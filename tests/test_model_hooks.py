@@ -33,7 +33,9 @@ class Compiler:
     def compile_model(self, ctx: ModelContext) -> None:
         ctx.register_compiler(self)
         wrapped = all("forward" in vars(block) for block in ctx.blocks)
-        self.log.append(("compile", wrapped, ctx.device.type, ctx.param_dtype, ctx.world_size))
+        self.log.append(
+            ("compile", wrapped, ctx.device.type, ctx.param_dtype, ctx.parallel_dims.world_size)
+        )
 
         def count(forward):
             def counted(*args, **kwargs):

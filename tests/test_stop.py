@@ -33,9 +33,9 @@ class Raiser:
 
     @hookimpl
     def setup(self, ctx):
-        self.rank = ctx.rank
+        self.rank = ctx.parallel_dims.rank
         attempts = os.environ.get("RAISER_ATTEMPTS")
-        if attempts and ctx.rank == 1:  # one line per attempt torchrun makes
+        if attempts and ctx.parallel_dims.rank == 1:  # one line per attempt torchrun makes
             with open(attempts, "a") as f:
                 f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-") + "\\n")
 

@@ -25,7 +25,7 @@ from plugtrain.data import Tokenizer
 from plugtrain.distributed import mesh_shape
 from plugtrain.errors import ConfigError
 from plugtrain.model import FLAVORS, check_tensor_parallel, from_hf, run_model_args, to_hf
-from plugtrain.plugin import full_tensor
+from plugtrain.plugin import ParallelDims, full_tensor
 from plugtrain.testing import (
     SAMPLE,
     InjectInf,
@@ -358,9 +358,9 @@ def test_degrees_the_model_cannot_split_are_refused(tp, args, seq_len, culprit):
 @pytest.mark.parametrize("name, plugin", [("compile", Compile)])
 def test_the_plugins_not_ready_for_tensor_parallelism_refuse_it_in_one_line(name, plugin):
     plugin = plugin()
-    args = ("--plugins.enabled", name, *TP2)
+    ctx = model_context({name: plugin}, "--plugins.enabled", name, parallel_dims=ParallelDims(tp=2))
     with pytest.raises(ConfigError) as refused:
-        plugin.compile_model(ctx=model_context({name: plugin}, *args))  # its first hook
+        plugin.compile_model(ctx=ctx)  # its first hook
     assert str(refused.value) == (
         f"plugin '{name}' does not run under tensor parallelism yet (parallelism.tp = 2): "
         f"remove '{name}' from plugins.enabled, or set parallelism.tp = 1"

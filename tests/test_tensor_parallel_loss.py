@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch.distributed.tensor.parallel import loss_parallel
 
+from plugtrain.config import ParallelismConfig
 from plugtrain.data import IGNORE_INDEX
-from plugtrain.distributed import init_world
+from plugtrain.distributed import init_parallel_dims
 from plugtrain.model import (
     FLAVORS,
     LLAMA,
@@ -117,17 +118,17 @@ def on_two_ranks(base: str) -> dict:
     masked targets, and under document masking; the chunked loss's collectives; and ``RUN``
     trained, on text and chat."""
     train(Path(base), "tp2")
-    world = init_world("cpu", tp=2)
+    dims = init_parallel_dims("cpu", ParallelismConfig(tp=2))
     model, document = (
         build_model(
             LLAMA,
             args,
-            world.mesh,
+            dims.get_mesh("dp"),
             torch.float32,
             torch.float32,
-            world.device,
+            dims.device,
             0,
-            tp_mesh=world.tp_mesh,
+            tp_mesh=dims.get_mesh("tp"),
         )
         for args in (TINY, DOCUMENT)
     )

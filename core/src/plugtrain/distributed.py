@@ -1,18 +1,21 @@
-"""The process group and device mesh, the same for one process or many, on one machine or many.
+"""The process group and :class:`ParallelDims`: the job's degrees, meshes and ranks by name.
 
+The same for one process or many, on one machine or many.
 Plain ``python train.py`` runs as a world of one process (a private in-memory store, no ports);
 ``torchrun`` gives N processes on one or several machines.
-CPU uses the gloo backend, CUDA uses NCCL. The data-parallel mesh is 1-D, ``("dp_shard",)``, for
-FSDP over every rank, and 2-D, ``("dp_replicate", "dp_shard")``, for hybrid sharding
-(``[parallelism]``). With tensor parallelism one 3-D mesh, ``("dp_replicate", "dp_shard", "tp")``,
-is built and both are sliced from it: the data-parallel mesh and the ``"tp"`` one (consecutive
-ranks, the GPUs of one node).
+CPU uses the gloo backend, CUDA uses NCCL. One device mesh is built, its dimensions those in use:
+``("dp_shard",)`` for FSDP over every rank, ``("dp_replicate", "dp_shard")`` for hybrid sharding
+(``[parallelism]``), ``("dp_replicate", "dp_shard", "tp")`` with tensor parallelism (the ``tp``
+ranks consecutive: the GPUs of one node). Each named dimension, and the data-parallel one
+(``"dp"``: every dimension but ``tp``), is sliced from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,41 +23,150 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from plugtrain.errors import ConfigError
 
+DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
+"""The named parallel dimensions, outermost first. ``ep`` (expert parallelism) is carved out of
+``dp_shard``: its ranks are the innermost ``ep`` of a ``dp_shard`` group. ``pp``, ``ep`` and
+``cp`` have no config keys yet and are always 1."""
+
+
+CPU = torch.device("cpu")
+"""The device of a :class:`ParallelDims` built without one (a unit-test context, an estimate)."""
+
+
+class Degrees(Protocol):
+    """The degrees a run asks for: the ``[parallelism]`` section (``dp_shard`` -1: the rest)."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
 
 @dataclass(frozen=True)
-class World:
-    """This process's place in the job."""
+class ParallelDims:
+    """This process's place in the job: each parallel dimension's degree, this rank's index in
+    it, and its device mesh, by name (:data:`DIMENSIONS`, and ``"dp"``: the data-parallel ranks).
 
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    mesh: DeviceMesh
-    """The data-parallel mesh the model is sharded over, 1-D or 2-D: every rank, or under
-    tensor parallelism the ranks that share this rank's place in its ``tp`` group."""
-    tp_mesh: DeviceMesh | None = None
-    """The 1-D ``"tp"`` mesh of the ranks that split this rank's model (``parallelism.tp > 1``);
-    None without tensor parallelism."""
+    The ranks are laid out row-major over ``pp x dp_replicate x dp_shard x cp x tp`` (``tp``
+    innermost: consecutive ranks). The ranks of one ``tp`` group (and, later, of one ``pp``
+    stage line or ``cp`` group) read the same batches; the data-parallel ones, ``dp_replicate x
+    dp_shard``, read different ones.
+    """
+
+    dp_replicate: int = 1
+    """Copies of the sharded model (HSDP's replicas); 1 under plain FSDP."""
+    dp_shard: int = 1
+    """Ranks each copy of the model is sharded over (FSDP2), resolved (never -1)."""
+    tp: int = 1
+    """Tensor-parallel degree: ranks that split each projection and read the same data."""
+    pp: int = 1
+    """Pipeline stages (not supported yet: 1)."""
+    ep: int = 1
+    """Expert-parallel degree, a divisor of ``dp_shard`` (not supported yet: 1)."""
+    cp: int = 1
+    """Context-parallel degree (not supported yet: 1)."""
+    rank: int = 0
+    """This process's rank in the world."""
+    local_rank: int = 0
+    """Its rank on its machine (``LOCAL_RANK``): the GPU it uses."""
+    device: torch.device = CPU
+    """The device this process trains on."""
+    root: DeviceMesh | None = field(default=None, repr=False, compare=False)
+    """The job's device mesh, its dimensions those in use; None where no process group was
+    joined (a unit-test context): :meth:`get_mesh` then refuses."""
+
+    def __post_init__(self) -> None:
+        if self.dp_shard % self.ep:
+            raise ConfigError(
+                f"ep = {self.ep} does not divide dp_shard = {self.dp_shard}: expert parallelism "
+                f"is carved out of dp_shard, choose an ep that divides it"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the job: the product of the degrees (``ep`` lies inside ``dp_shard``)."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def is_main(self) -> bool:
+        """Whether this is rank 0, the one that writes the run's files and logs."""
         return self.rank == 0
 
-    @property
-    def tp(self) -> int:
-        """The tensor-parallel degree (1 without)."""
-        return 1 if self.tp_mesh is None else self.tp_mesh.size()
+    def size(self, name: str) -> int:
+        """The degree of dimension ``name`` (:data:`DIMENSIONS`, or ``"dp"``)."""
+        if name == "dp":
+            return self.dp_replicate * self.dp_shard
+        if name not in DIMENSIONS:
+            raise ValueError(f"no parallel dimension '{name}': choose one of dp, {DIMENSIONS}")
+        return int(getattr(self, name))
 
-    @property
-    def dp_rank(self) -> int:
-        """This rank's place among the ranks that train on different data: a ``tp`` group's
-        ranks are consecutive and read the same batches."""
-        return self.rank // self.tp
+    def rank_in(self, name: str) -> int:
+        """This rank's index in dimension ``name`` (:data:`DIMENSIONS`, or ``"dp"``), in
+        ``[0, size(name))``."""
+        if name == "ep":
+            return self.rank_in("dp_shard") % self.ep
+        if name == "dp":
+            return self.rank_in("dp_replicate") * self.dp_shard + self.rank_in("dp_shard")
+        inner = 1  # the ranks one step along ``name`` spans: the product of the inner degrees
+        for other in reversed(DIMENSIONS):
+            if other == name:
+                return self.rank // inner % self.size(name)
+            inner *= 1 if other == "ep" else self.size(other)
+        raise ValueError(f"no parallel dimension '{name}': choose one of dp, {DIMENSIONS}")
 
     @property
     def dp_size(self) -> int:
-        """The number of ranks that train on different data: the world size over ``tp``."""
-        return self.world_size // self.tp
+        """The ranks that train on different data: ``dp_replicate x dp_shard``."""
+        return self.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the :attr:`dp_size` ranks that train on different data."""
+        return self.rank_in("dp")
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    def get_mesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of dimension ``name``, or for ``"dp"`` the data-parallel mesh FSDP2
+        shards over: ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` under HSDP.
+
+        A dimension that is not in this run's mesh (``tp`` without tensor parallelism,
+        ``dp_replicate`` without HSDP, ``pp``, ``ep``, ``cp``) is refused in one line.
+        """
+        if self.root is None:
+            raise ValueError(
+                f"no '{name}' mesh: these ParallelDims were built without a process group "
+                f"(a unit-test context); use a real run (plugtrain.testing.tiny_run)"
+            )
+        names = self.root.mesh_dim_names or ()
+        if name == "dp":
+            data_parallel = tuple(n for n in names if n != "tp")
+            return self.root if data_parallel == names else self.root[data_parallel]
+        if name not in names:
+            raise ValueError(
+                f"the '{name}' mesh dimension is disabled in this run (its degree is "
+                f"{self.size(name)}); this run's mesh has {names}"
+            )
+        return self.root if names == (name,) else self.root[name]
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -109,9 +221,38 @@ def mesh_shape(
     return (world_size,) if dp_replicate == 1 else (dp_replicate, dp_shard)
 
 
-def init_world(device_choice: str, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1) -> World:
-    """Join (or, for a plain ``python`` launch, create) the process group and the device mesh
-    (:func:`mesh_shape` says which)."""
+def parallel_dims(
+    degrees: Degrees,
+    world_size: int,
+    *,
+    rank: int = 0,
+    local_rank: int = 0,
+    device: torch.device = CPU,
+    pp: int = 1,
+    ep: int = 1,
+    cp: int = 1,
+) -> ParallelDims:
+    """The :class:`ParallelDims` of ``degrees`` (the ``[parallelism]`` section) on ``world_size``
+    ranks, without a mesh: the degrees checked as :func:`mesh_shape` checks them, ``dp_shard``
+    resolved. ``pp``, ``ep`` and ``cp`` above 1 are refused in one line (not supported yet)."""
+    for name, degree in (("pp", pp), ("ep", ep), ("cp", cp)):
+        if degree > 1:
+            raise ConfigError(
+                f"{name} = {degree}: this parallel dimension is not supported yet; leave it at 1"
+            )
+    shape = mesh_shape(world_size, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
+    dp_shard = shape[1] if len(shape) == 3 else shape[-1]
+    return ParallelDims(
+        degrees.dp_replicate, dp_shard, degrees.tp, rank=rank, local_rank=local_rank, device=device
+    )
+
+
+def init_parallel_dims(
+    device_choice: str, degrees: Degrees, *, pp: int = 1, ep: int = 1, cp: int = 1
+) -> ParallelDims:
+    """Join (or, for a plain ``python`` launch, create) the process group and build the job's
+    :class:`ParallelDims` from ``degrees`` (the ``[parallelism]`` section), with its one mesh:
+    the run's single builder of its degrees, meshes and ranks."""
     device = resolve_device(device_choice)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
@@ -125,18 +266,25 @@ def init_world(device_choice: str, dp_replicate: int = 1, dp_shard: int = -1, tp
             # A private HashStore makes a one-process group without opening a port, so
             # the single-process run takes exactly the same FSDP2 code path as torchrun's.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    world_size = dist.get_world_size()
-    shape = mesh_shape(world_size, dp_replicate, dp_shard, tp)
-    if len(shape) == 3:
-        # One mesh, sliced: FSDP2 over the data-parallel slice of parameters that tensor
-        # parallelism made DTensors over the "tp" slice needs both to share their root.
-        names = ("dp_replicate", "dp_shard", "tp")
-        root = init_device_mesh(device.type, shape, mesh_dim_names=names)
-        data_parallel = root["dp_shard"] if dp_replicate == 1 else root["dp_replicate", "dp_shard"]
-        return World(dist.get_rank(), world_size, local_rank, device, data_parallel, root["tp"])
-    names = ("dp_shard",) if len(shape) == 1 else ("dp_replicate", "dp_shard")
-    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    return World(dist.get_rank(), world_size, local_rank, device, mesh)
+    dims = parallel_dims(
+        degrees,
+        dist.get_world_size(),
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        device=device,
+        pp=pp,
+        ep=ep,
+        cp=cp,
+    )
+    # One mesh, sliced: FSDP2 over the data-parallel slice of parameters that tensor
+    # parallelism made DTensors over the "tp" slice needs both to share their root.
+    names = ("dp_replicate", "dp_shard", "tp")
+    if not dims.tp_enabled:
+        names = names[:2] if dims.dp_replicate_enabled else ("dp_shard",)
+    shape = tuple(dims.size(name) for name in names)
+    return dataclasses.replace(
+        dims, root=init_device_mesh(device.type, shape, mesh_dim_names=names)
+    )
 
 
 def all_reduce_mean(values: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from torch import nn
 
 from plugtrain import API_VERSION, PROJECT_NAME
 from plugtrain.data import Rewind, SkipRange
+from plugtrain.distributed import ParallelDims
 from plugtrain.errors import ConfigError, PluginError, check_field
 from plugtrain.evaluation import EncodedTasks, Score, Task, encode_tasks, read_task, score
 from plugtrain.model import TextTokenizer, complete, logsumexp, whole_logits
@@ -25,7 +26,6 @@ from plugtrain.model import TextTokenizer, complete, logsumexp, whole_logits
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
     from torch.optim.lr_scheduler import LRScheduler
 
@@ -40,6 +40,7 @@ __all__ = [
     "LossContext",
     "ModelContext",
     "OptimizerContext",
+    "ParallelDims",
     "PluginError",
     "Rewind",
     "RunControl",
@@ -108,8 +109,9 @@ class ModelContext:
     """Dtype of parameters in forward and backward (``training.mixed_precision_param``)."""
     reduce_dtype: torch.dtype
     """Dtype of the gradient reduction (``training.mixed_precision_reduce``)."""
-    rank: int
-    world_size: int
+    parallel_dims: ParallelDims
+    """The job's parallel dimensions (:class:`ParallelDims`): each degree, this rank's index
+    in it and its mesh, by name; the world rank and size; the data-parallel rank and size."""
     name_of: Callable[[object], str] = field(repr=False)
     """The name a registered plugin object runs under (see :attr:`SetupContext.name_of`)."""
     compiler: str | None = None
@@ -178,11 +180,10 @@ class OptimizerContext:
     optimizer_config: OptimizerConfig
     """The core's ``[optimizer]`` section (``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``no_decay``): settings a plugin may reuse for the parameters it trains with AdamW."""
-    mesh: DeviceMesh
-    """The data-parallel device mesh, as :attr:`SetupContext.mesh` describes it."""
     device: torch.device
-    rank: int
-    world_size: int
+    parallel_dims: ParallelDims
+    """The job's parallel dimensions (:class:`ParallelDims`): each degree, this rank's index
+    in it and its mesh, by name; the world rank and size; the data-parallel rank and size."""
     name_of: Callable[[object], str] = field(repr=False)
     """The name a registered plugin object runs under (see :attr:`SetupContext.name_of`)."""
 
@@ -217,17 +218,16 @@ class SetupContext:
     reduce_dtype: torch.dtype
     """Dtype of the gradient reduce-scatter (``training.mixed_precision_reduce``)."""
     device: torch.device
-    mesh: DeviceMesh
-    """The data-parallel device mesh over all ranks (``[parallelism]``): 1-D, ``("dp_shard",)``,
-    under FSDP; 2-D, ``("dp_replicate", "dp_shard")``, under hybrid sharding (HSDP), where each
-    parameter is sharded within a row and the rows hold equal copies. Every rank trains on its
-    own data: reduce a value computed from the data (a loss) over :func:`data_parallel_group`;
-    a value of the gradients or parameters with DTensor ops (:func:`total_norm`), which reduce
-    over the shards only, not over the replicas' equal copies. Under tensor parallelism
-    (``parallelism.tp > 1``) it holds the ranks that share this rank's place in its ``tp``
-    group, which train on the same data; the parameters' own meshes add a ``"tp"`` dimension."""
-    rank: int
-    world_size: int
+    parallel_dims: ParallelDims
+    """The job's parallel dimensions (:class:`ParallelDims`). Its data-parallel mesh,
+    ``get_mesh("dp")``, is 1-D, ``("dp_shard",)``, under FSDP; 2-D, ``("dp_replicate",
+    "dp_shard")``, under hybrid sharding (HSDP), where each parameter is sharded within a row and
+    the rows hold equal copies. Every rank of it trains on its own data: reduce a value computed
+    from the data (a loss) over :func:`data_parallel_group`; a value of the gradients or
+    parameters with DTensor ops (:func:`total_norm`), which reduce over the shards only, not over
+    the replicas' equal copies. Under tensor parallelism (``tp_enabled``) the ranks of a ``tp``
+    group train on the same data: ``dp_rank`` and ``dp_size`` count the data-parallel ranks, and
+    the parameters' own meshes add a ``"tp"`` dimension."""
     name_of: Callable[[object], str] = field(repr=False)
     """The name a registered plugin object runs under: its entry point's name, which is also
     its config section and its metrics' prefix."""
@@ -398,12 +398,13 @@ MetricValue = float | int | torch.Tensor
 Metrics = Mapping[str, MetricValue]
 
 
-def data_parallel_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The process group of all of ``mesh``'s ranks, over every dimension: the ranks that train
-    on different data, over which a value computed from the data (a loss) is reduced; its
-    ``size()`` is how many (under tensor parallelism, fewer than the world size: a ``tp``
-    group trains on the same data). Call it on every rank at once (in ``setup``): on a 2-D mesh
-    its first call creates the group."""
+def data_parallel_group(dims: ParallelDims) -> dist.ProcessGroup:
+    """The process group of the data-parallel mesh of ``dims``, over every dimension: the ranks
+    that train on different data, over which a value computed from the data (a loss) is
+    reduced; its ``size()`` is ``dims.dp_size`` (under tensor parallelism, fewer than the world
+    size: a ``tp`` group trains on the same data). Call it on every rank at once (in ``setup``):
+    under HSDP its first call creates the group."""
+    mesh = dims.get_mesh("dp")
     return mesh.get_group() if mesh.ndim == 1 else mesh._flatten("dp").get_group()
 
 
@@ -426,11 +427,11 @@ def reduce_over_replicas(value: torch.Tensor, like: torch.Tensor) -> torch.Tenso
     return value
 
 
-def refuse_tensor_parallel(config: JobConfig, name: str) -> None:
-    """Refuse, in one line, to run plugin ``name`` under tensor parallelism
-    (``parallelism.tp > 1``): for a plugin that does not handle it yet. Call it where the
-    plugin first sees the config (``setup``, or a model hook), so the run stops before step 1."""
-    tp = config.parallelism.tp
+def refuse_tensor_parallel(dims: ParallelDims, name: str) -> None:
+    """Refuse, in one line, to run plugin ``name`` under tensor parallelism (``dims.tp > 1``):
+    for a plugin that does not handle it yet. Call it where the plugin first sees the context
+    (``setup``, or a model hook: ``ctx.parallel_dims``), so the run stops before step 1."""
+    tp = dims.tp
     if tp > 1:
         raise ConfigError(
             f"plugin '{name}' does not run under tensor parallelism yet (parallelism.tp = {tp}): "

@@ -62,7 +62,7 @@ def skip_nonfinite_on_every_rank(dump_folder: str) -> dict:
     logs = LogCapture()
     trainer.run()
     return {
-        "rank": trainer.world.rank,
+        "rank": trainer.parallel_dims.rank,
         "changed": watcher.changed,
         "lr_steps": watcher.lr_steps,
         "skipped_steps": int(trainer.vetoes.total),

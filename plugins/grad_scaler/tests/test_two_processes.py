@@ -45,7 +45,7 @@ def inf_on_one_rank(dump_folder: str) -> dict:
     watcher.trainer = trainer
     trainer.run()
     return {
-        "rank": trainer.world.rank,
+        "rank": trainer.parallel_dims.rank,
         "params_changed": watcher.changed,
         "state_changed": watcher.state_changed,
         "scales": watcher.scales,

@@ -72,7 +72,7 @@ from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.rng import rng_state, set_rng_state
 from plugtrain.checkpoint.storage import CheckpointStorage
 from plugtrain.config import CheckpointConfig
-from plugtrain.distributed import World
+from plugtrain.distributed import ParallelDims
 from plugtrain.errors import CheckpointError, one_line
 
 logger = logging.getLogger("plugtrain")
@@ -125,7 +125,7 @@ class CheckpointManager:
         self,
         config: CheckpointConfig,
         dump_folder: str | os.PathLike[str],
-        world: World,
+        dims: ParallelDims,
         total_steps: int,
         model: nn.Module,
         optimizer: Optimizer,
@@ -140,7 +140,7 @@ class CheckpointManager:
         self.storage: CheckpointStorage = open_storage(
             dump_folder, config.endpoint_url, config.store_retries
         )
-        self.world = world
+        self.dims = dims
         self.total_steps = total_steps
         self.model, self.optimizer = model, optimizer
         self.states = dict(states)
@@ -151,11 +151,11 @@ class CheckpointManager:
         self._executor: ThreadPoolExecutor | None = None
         self._control_group: dist.ProcessGroup | None = None
         self._async_group: dist.ProcessGroup | None = None
-        self._faults = Fault.from_env(self.world.rank)
+        self._faults = Fault.from_env(self.dims.rank)
         if not self.config.enable:
             return
         self.storage.check()
-        if self.world.world_size > 1:
+        if self.dims.world_size > 1:
             # A CPU (gloo) group for the save barriers, whatever the training backend: a few
             # bytes over TCP, no device synchronisation.
             self._control_group = dist.new_group(backend="gloo")
@@ -192,7 +192,7 @@ class CheckpointManager:
             raise exists_error(self.storage.where(step))
         start = time.perf_counter()
         failure: OSError | None = None
-        if self.world.is_main:
+        if self.dims.is_main:
             try:
                 self.storage.stage(step, self.run_config)
             except OSError as e:
@@ -238,7 +238,7 @@ class CheckpointManager:
     def _save_failed(self, step: int, error: BaseException | None) -> CheckpointError:
         """The one-line error for a failed save, once rank 0 has removed what it staged."""
         free = self.storage.free_bytes()
-        if self.world.is_main:
+        if self.dims.is_main:
             self.storage.discard(step)
         return save_failed(
             self.storage.where(step), self.storage.location, error, free, self.storage.save_fix
@@ -250,7 +250,7 @@ class CheckpointManager:
         for fault in self._faults:
             fault.fire("before_commit", step)
         self._barrier(group)
-        if self.world.is_main:
+        if self.dims.is_main:
             try:
                 self.storage.commit(step)
             except FileExistsError as e:  # appeared since save() looked
@@ -259,7 +259,7 @@ class CheckpointManager:
                 raise self._save_failed(step, e) from e
         # So that on every rank a returned save is a visible one.
         self._barrier(group)
-        if not self.world.is_main:
+        if not self.dims.is_main:
             return
         logger.info(
             "checkpoint step-%d saved in %.2f s, %.1f MiB: %s",
@@ -308,7 +308,7 @@ class CheckpointManager:
         return bool(vote.item())
 
     def _barrier(self, group: dist.ProcessGroup | None) -> None:
-        if self.world.world_size > 1:
+        if self.dims.world_size > 1:
             dist.barrier(group=group)
 
     # ----------------------------------------------------------------------- the state
@@ -334,11 +334,11 @@ class CheckpointManager:
             "model": model,
             "optimizer": optimizer,
             **{key: stateful.state_dict() for key, stateful in self.states.items()},
-            "world": {"size": self.world.world_size},
+            "world": {"size": self.dims.world_size},
             "plugins": plugin_states,
         }
         if with_rng:
-            state["rng"] = {f"rank{self.world.rank}": rng_state(self.world.device)}
+            state["rng"] = {f"rank{self.dims.rank}": rng_state(self.dims.device)}
         return state
 
     @staticmethod
@@ -373,7 +373,7 @@ class CheckpointManager:
                 "no checkpoint to resume from in %s: training from step 0", self.storage.location
             )
         if later:
-            if self.world.is_main:
+            if self.dims.is_main:
                 for s in later:
                     self.storage.delete(s)
                 logger.info(
@@ -396,7 +396,7 @@ class CheckpointManager:
         self.wait()
         chosen = self.latest_at_most(at_most)
         self._load(chosen)
-        if self.world.is_main:
+        if self.dims.is_main:
             for s in self.storage.steps():
                 if s > chosen:
                     self.storage.delete(s)
@@ -409,7 +409,7 @@ class CheckpointManager:
         saved = read_metadata(path, self.storage.reader(step)).state_dict_metadata
         in_checkpoint = {key.split(".")[1] for key in saved if key.startswith("plugins.")}
         loaders = set(self.host.implementers("load_state_dict"))
-        rank_rng = f"rng.rank{self.world.rank}."
+        rank_rng = f"rng.rank{self.dims.rank}."
         has_rng = any(key.startswith(rank_rng) for key in saved)
         template = self._state(
             with_rng=has_rng,
@@ -438,17 +438,17 @@ class CheckpointManager:
         train, saved_world = state["train"], state["world"]["size"]
         self.resumed_from = {"path": str(path), "step": train["step"]}
         self.host.hook.checkpoint_loaded(folder=path, step=train["step"])
-        if self.world.is_main:
+        if self.dims.is_main:
             ignored = sorted(in_checkpoint - loaders)
             if ignored:
                 logger.info("checkpoint state of plugins not active in this run, ignored: %s",
                             ", ".join(ignored))  # fmt: skip
-            if saved_world != self.world.world_size:
+            if saved_world != self.dims.world_size:
                 logger.warning(
                     "resharding checkpoint of %d ranks onto %d: model, optimizer and data "
                     "continue; random generators of ranks it did not have start afresh",
                     saved_world,
-                    self.world.world_size,
+                    self.dims.world_size,
                 )
         logger.info(
             "resumed from %s (step %d, %d tokens seen) in %.2f s",
@@ -471,4 +471,4 @@ class CheckpointManager:
         for key, stateful in self.states.items():
             stateful.load_state_dict(state[key])
         if "rng" in state:
-            set_rng_state(state["rng"][f"rank{self.world.rank}"], self.world.device)
+            set_rng_state(state["rng"][f"rank{self.dims.rank}"], self.dims.device)

@@ -61,7 +61,7 @@ def _counted_run(
             trainer.run()
         return costs.sync_sites, costs.collectives, 0.0
     trainer.run()
-    trace = dump_folder / f"hook_trace.rank{trainer.world.rank}.jsonl"
+    trace = dump_folder / f"hook_trace.rank{trainer.parallel_dims.rank}.jsonl"
     summary = json.loads(trace.read_text().splitlines()[-1])["summary"]
     sites: Counter[str] = Counter()
     collectives: Counter[str] = Counter()

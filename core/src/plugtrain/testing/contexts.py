@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from plugtrain.checkpoint import export_checkpoint
-from plugtrain.plugin import ModelContext, SetupContext, StepContext
+from plugtrain.plugin import ModelContext, ParallelDims, SetupContext, StepContext
 from plugtrain.testing.runs import tiny_args
 
 if TYPE_CHECKING:
@@ -115,6 +115,7 @@ def setup_context(
     model: nn.Module | None = None,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    parallel_dims: ParallelDims | None = None,
 ) -> SetupContext:
     """A real :class:`~plugtrain.plugin.SetupContext` for calling ``setup`` in a unit test.
 
@@ -123,9 +124,9 @@ def setup_context(
     (``"--plugins.enabled", "grad_clip", "--grad_clip.max_norm", "2"``), so
     ``ctx.plugin_config(plugin)`` returns the plugin's section and a bad value raises
     :class:`~plugtrain.plugin.ConfigError`. ``values`` are config sections as a TOML file gives
-    them, typed (``{"grad_clip": {"max_norm": 0}}``), under ``args``. One process, the CPU, no
-    mesh.
-    """
+    them, typed (``{"grad_clip": {"max_norm": 0}}``), under ``args``. One process, the CPU;
+    ``parallel_dims`` (default: a world of one) has no mesh (``get_mesh`` refuses): give
+    ``ParallelDims(tp=2)`` to see what a plugin does under tensor parallelism."""
     config, name_of = _configured(plugins, args, values)
     model = _tiny_model() if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -137,9 +138,7 @@ def setup_context(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         device=torch.device("cpu"),
-        mesh=None,  # type: ignore[arg-type]
-        rank=0,
-        world_size=1,
+        parallel_dims=parallel_dims or ParallelDims(),
         name_of=name_of,
         export_hf=export_checkpoint,
     )
@@ -150,13 +149,15 @@ def model_context(
     *args: str,
     model: nn.Module | None = None,
     param_dtype: torch.dtype = torch.float32,
+    parallel_dims: ParallelDims | None = None,
 ) -> ModelContext:
     """A real :class:`~plugtrain.plugin.ModelContext` for calling ``wrap_model`` or
     ``compile_model`` in a unit test.
 
     ``plugins`` and ``args`` as for :func:`setup_context`. The model is the tiny flavor's
     ``Transformer``, on the CPU and initialised (seed 0), unless ``model`` is given: the hooks
-    can be checked by running it. One process, the CPU.
+    can be checked by running it. One process, the CPU; ``parallel_dims`` as for
+    :func:`setup_context`.
     """
     from plugtrain.model import FLAVORS, Transformer, cross_entropy
 
@@ -173,7 +174,6 @@ def model_context(
         device=torch.device("cpu"),
         param_dtype=param_dtype,
         reduce_dtype=torch.float32,
-        rank=0,
-        world_size=1,
+        parallel_dims=parallel_dims or ParallelDims(),
         name_of=name_of,
     )

@@ -98,8 +98,8 @@ class SigtermAt:
 
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
-        self.my_rank = ctx.rank
-        self.step -= ctx.world_size > 1
+        self.my_rank = ctx.parallel_dims.rank
+        self.step -= ctx.parallel_dims.world_size > 1
 
     @hookimpl
     def post_backward(self, ctx: StepContext) -> None:
@@ -141,14 +141,14 @@ def interrupted_and_resumed(
     step_at_resume = second.step
     second.run()
     result: dict[str, Any] = {
-        "rank": second.world.rank,
+        "rank": second.parallel_dims.rank,
         "stopped_at": first.step,
         "step_at_resume": step_at_resume,
         "straight": parameter_checksums(straight.model),
         "resumed": parameter_checksums(second.model),
         "plugins": dict(resumed_plugins),
     }
-    if second.world.is_main:
+    if second.parallel_dims.is_main:
         result["straight_metrics"] = read_metrics(root / "straight")
         result["resumed_metrics"] = read_metrics(root / "resumed")
     return result

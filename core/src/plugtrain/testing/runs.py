@@ -299,7 +299,7 @@ def _train_one_rank(dump_folder: str, args: Sequence[str], steps: int, plugins: 
     trainer = make_trainer(dump_folder, *args, steps=steps, plugins=[*plugins, ("hook_log", log)])
     trainer.run()
     return {
-        "rank": trainer.world.rank,
+        "rank": trainer.parallel_dims.rank,
         "checksum": parameter_checksums(trainer.model),
         "hooks": log.calls,
         "skipped_steps": log.skipped_steps(),

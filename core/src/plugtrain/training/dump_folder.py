@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from plugtrain.distributed import World
+from plugtrain.distributed import ParallelDims
 from plugtrain.errors import DumpFolderError
 
 LOCK_FILE = ".plugtrain.lock"
@@ -76,19 +76,19 @@ class DumpFolderLock:
             os.close(held.fd)  # closing the only descriptor of the lock file drops the flock
 
 
-def lock_dump_folder(path: str | os.PathLike[str], world: World) -> DumpFolderLock:
+def lock_dump_folder(path: str | os.PathLike[str], dims: ParallelDims) -> DumpFolderLock:
     """Check and create dump folder ``path`` and lock it for this run (collective).
 
     Rank 0 does the work; every rank raises the same one-line :class:`DumpFolderError` when
     ``path`` is not a folder, cannot be created or written, or is locked by another run.
     """
     lock, message = DumpFolderLock(None), None
-    if world.is_main:
+    if dims.is_main:
         try:
             lock = claim_dump_folder(path)
         except DumpFolderError as e:
             message = str(e)
-    if world.world_size > 1:
+    if dims.world_size > 1:
         shared = [message]
         dist.broadcast_object_list(shared, src=0)
         message = shared[0]

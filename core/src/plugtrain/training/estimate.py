@@ -14,7 +14,7 @@ import dataclasses
 from plugtrain import sample
 from plugtrain.config import JobConfig
 from plugtrain.data import Tokenizer
-from plugtrain.distributed import mesh_shape
+from plugtrain.distributed import parallel_dims
 from plugtrain.errors import ConfigError
 from plugtrain.model import Checkpointing, MemoryEstimate, model_spec
 
@@ -50,11 +50,10 @@ def estimate_run(
     where that file does not exist, the flavor's is used (and the estimate says so). With flavor
     ``hf`` the embedding has config.json's rows whatever the tokenizer.
     """
-    train, par = config.training, config.parallelism
+    train = config.training
     # Degrees a run on world_size processes would refuse are refused here too.
-    shape = mesh_shape(world_size, par.dp_replicate, par.dp_shard, par.tp)
-    replicas = shape[0] if len(shape) > 1 else 1
-    data_ranks = world_size // par.tp  # a tp group's ranks read the same batches
+    dims = parallel_dims(config.parallelism, world_size)
+    data_ranks = dims.dp_size  # a tp group's ranks read the same batches
     parts = data_ranks * train.grad_accum_steps
     if train.batch_size % parts:
         raise ConfigError(
@@ -69,7 +68,7 @@ def estimate_run(
         whose = f" (the flavor's: {config.model.tokenizer_path} not found)"
     spec = model_spec(config.model.family)
     args = config.model.model_args(vocab_size, train.seq_len)
-    spec.check_parallel(args, par.tp, train.seq_len)
+    spec.check_parallel(args, dims.tp, train.seq_len)
     estimate = spec.memory(
         args,
         world_size=world_size,
@@ -78,8 +77,8 @@ def estimate_run(
         param_dtype=train.mixed_precision_param,
         reduce_dtype=train.mixed_precision_reduce,
         checkpointing=checkpointing_of(config),
-        dp_replicate=replicas,
-        tp=par.tp,
+        dp_replicate=dims.dp_replicate,
+        tp=dims.tp,
         loss_chunks=config.model.loss_chunks,
     )
     setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from plugtrain.checkpoint import CheckpointManager
 from plugtrain.data import SkippingLoader, read_skip_file, write_skip_file
-from plugtrain.distributed import World
+from plugtrain.distributed import ParallelDims
 from plugtrain.plugin import Rewind, RunControl, SkipRange
 
 logger = logging.getLogger("plugtrain")
@@ -33,10 +33,10 @@ class RunRequests:
         batches: SkippingLoader,
         checkpointer: CheckpointManager,
         dump_folder: str | os.PathLike[str],
-        world: World,
+        dims: ParallelDims,
     ) -> None:
         self.control, self.batches, self.checkpointer = control, batches, checkpointer
-        self.dump_folder, self.world = dump_folder, world
+        self.dump_folder, self.dims = dump_folder, dims
         ranges, self._unfinished = read_skip_file(dump_folder)
         for skip in ranges:
             batches.add(skip)
@@ -90,8 +90,8 @@ class RunRequests:
         )
 
     def _write(self, unfinished: Rewind | None) -> None:
-        if self.world.is_main:
+        if self.dims.is_main:
             write_skip_file(self.dump_folder, self.control.skip_ranges, unfinished)
-        if self.world.world_size > 1:
+        if self.dims.world_size > 1:
             # No rank loads or deletes a checkpoint before the file says what it is doing.
             dist.barrier()

@@ -46,7 +46,7 @@ from plugtrain.data import (
     iter_eval_batches,
     open_token_store,
 )
-from plugtrain.distributed import World, all_reduce_mean, init_world
+from plugtrain.distributed import ParallelDims, all_reduce_mean, init_parallel_dims
 from plugtrain.host import PluginHost
 from plugtrain.model import (
     DTYPES,
@@ -108,13 +108,12 @@ class Trainer:
 
     def __init__(self, config: JobConfig, host: PluginHost) -> None:
         self.config, self.host, self.hook = config, host, host.hook
-        par = config.parallelism
-        self.world: World = init_world(
-            config.training.device, par.dp_replicate, par.dp_shard, par.tp
+        self.parallel_dims: ParallelDims = init_parallel_dims(
+            config.training.device, config.parallelism
         )
-        setup_logging(self.world.rank, config.metrics.log_all_ranks)
+        setup_logging(self.parallel_dims.rank, config.metrics.log_all_ranks)
         # Before anything is written to the folder; a second run must leave it untouched.
-        self.dump_folder_lock = lock_dump_folder(config.job.records_folder, self.world)
+        self.dump_folder_lock = lock_dump_folder(config.job.records_folder, self.parallel_dims)
         try:
             self._build()
         except BaseException:
@@ -126,8 +125,8 @@ class Trainer:
         config, host, train_cfg = self.config, self.host, self.config.training
         # Before any hook: a plugin drawing random numbers is reproducible (a resume restores
         # the checkpoint's states instead).
-        seed_generators(train_cfg.seed, self.world.rank)
-        self.device = self.world.device
+        seed_generators(train_cfg.seed, self.parallel_dims.rank)
+        self.device = self.parallel_dims.device
         self.param_dtype = DTYPES[train_cfg.mixed_precision_param]
         self.reduce_dtype = DTYPES[train_cfg.mixed_precision_reduce]
         self.initial_load: InitialLoad | None = None
@@ -151,15 +150,15 @@ class Trainer:
             count_eval_batches(
                 self.val_data,
                 batch_size=train_cfg.batch_size,
-                world_size=self.world.dp_size,
+                world_size=self.parallel_dims.dp_size,
                 max_batches=config.validation.steps,
             )
         loader = StatefulBatchLoader(
             self.train_data,
             global_batch_size=train_cfg.batch_size,
             grad_accum_steps=train_cfg.grad_accum_steps,
-            rank=self.world.dp_rank,
-            world_size=self.world.dp_size,
+            rank=self.parallel_dims.dp_rank,
+            world_size=self.parallel_dims.dp_size,
             seed=train_cfg.seed,
             shuffle=config.data.shuffle,
         )
@@ -170,30 +169,34 @@ class Trainer:
         self.model_spec = model_spec(config.model.family)
         """The model's family: its builder, TP plan, HF format, FLOPs (``model.ModelSpec``)."""
         self.model_args = config.model.model_args(self.tokenizer.vocab_size, train_cfg.seq_len)
-        self.model_spec.check_parallel(self.model_args, self.world.tp, train_cfg.seq_len)
+        self.model_spec.check_parallel(self.model_args, self.parallel_dims.tp, train_cfg.seq_len)
         # Under tensor parallelism the logits are sharded over the vocabulary: the loss (and its
         # backward) is computed on the shards, inside loss_parallel.
-        self.loss_parallel = loss_parallel if self.world.tp > 1 else contextlib.nullcontext
-        self.cross_entropy = parallel_cross_entropy if self.world.tp > 1 else cross_entropy
+        self.loss_parallel = (
+            loss_parallel if self.parallel_dims.tp_enabled else contextlib.nullcontext
+        )
+        self.cross_entropy = (
+            parallel_cross_entropy if self.parallel_dims.tp_enabled else cross_entropy
+        )
         self.summed_cross_entropy = (
-            parallel_summed_cross_entropy if self.world.tp > 1 else summed_cross_entropy
+            parallel_summed_cross_entropy if self.parallel_dims.tp_enabled else summed_cross_entropy
         )
         """Chat data's loss: the sum over the counted targets (``loss_mean`` normalises it)."""
         self.model = build_model(
             self.model_spec,
             self.model_args,
-            self.world.mesh,
+            self.parallel_dims.get_mesh("dp"),
             self.param_dtype,
             self.reduce_dtype,
             self.device,
             train_cfg.seed,
             transform=self._transform_model,
             init_weights=self.initial_load is None,
-            tp_mesh=self.world.tp_mesh,
+            tp_mesh=self.parallel_dims.get_mesh("tp") if self.parallel_dims.tp_enabled else None,
         )
         self.params = tuple(self.model.parameters())
         """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
-        self.sync_replicas = replica_sync(self.model, self.world.mesh)
+        self.sync_replicas = replica_sync(self.model, self.parallel_dims.get_mesh("dp"))
         """HSDP: whether the next backward all-reduces the gradients across replicas."""
         self.optimizer, self.optimizer_builder = self._build_optimizer()
         """The optimizer, and who built it: ``core`` or the plugin that answered."""
@@ -206,23 +209,27 @@ class Trainer:
         """Optimizer steps completed (vetoed ones included)."""
         self.tokens_seen = 0
         """Training tokens consumed, over all ranks."""
-        self.metrics = MetricsLogger(config, enabled=self.world.is_main)
+        self.metrics = MetricsLogger(config, enabled=self.parallel_dims.is_main)
         self.timer = StepTimer(self.device)
         # Only rank 0 logs metrics, so only it looks the limits up (and warns if unknown).
         self.peak_tflops = (
-            peak_tflops(self.device, config.metrics.peak_tflops) if self.world.is_main else None
+            peak_tflops(self.device, config.metrics.peak_tflops)
+            if self.parallel_dims.is_main
+            else None
         )
-        self.matmul_step_seconds = self._matmul_limit() if self.world.is_main else None
+        self.matmul_step_seconds = self._matmul_limit() if self.parallel_dims.is_main else None
         self.tracer: HookTracer | None = None
         if tracing_requested(config.metrics.trace_hooks):
-            self.tracer = HookTracer.install(host, config.job.records_folder, self.world.rank)
+            self.tracer = HookTracer.install(
+                host, config.job.records_folder, self.parallel_dims.rank
+            )
         self._setup_plugins()
         # SIGTERM only with checkpoints: without, stopping saves nothing (see stop.py).
-        self.stop = StopSignals(self.world.world_size, sigterm=config.checkpoint.enable)
+        self.stop = StopSignals(self.parallel_dims.world_size, sigterm=config.checkpoint.enable)
         self.checkpointer = CheckpointManager(
             config.checkpoint,
             config.job.dump_folder,
-            self.world,
+            self.parallel_dims,
             train_cfg.steps,
             self.model,
             self.optimizer,
@@ -231,19 +238,23 @@ class Trainer:
             run_config=config.to_dict(),
         )
         self.requests = RunRequests(
-            self.control, self.batches, self.checkpointer, config.job.records_folder, self.world
+            self.control,
+            self.batches,
+            self.checkpointer,
+            config.job.records_folder,
+            self.parallel_dims,
         )
         self.requests.resume()
         if self.step >= train_cfg.steps:
             return  # a finished run: train() says so, and nothing is written
         # After the load, so that a refused resume leaves the run's records untouched.
         self.metrics.start(self.step)
-        if self.world.is_main:
+        if self.parallel_dims.is_main:
             self._warn_if_schedule_differs()
             write_run_records(
                 config,
                 host.report(),
-                self.world.world_size,
+                self.parallel_dims.world_size,
                 self.device,
                 resumed_from=self.checkpointer.resumed_from,
                 initial_load=None if self.initial_load is None else self.initial_load.record(),
@@ -260,7 +271,7 @@ class Trainer:
         if self.device.type != "cpu" or not self.config.metrics.matmul_limit:
             return None
         accum = train_cfg.grad_accum_steps
-        rows = train_cfg.batch_size // (self.world.world_size * accum)
+        rows = train_cfg.batch_size // (self.parallel_dims.world_size * accum)
         gemms = self.model_spec.gemms(self.model_args, rows, train_cfg.seq_len)
         return accum * matmul_seconds(gemms, self.device, self.param_dtype)
 
@@ -297,10 +308,10 @@ class Trainer:
             sample.resolve(self.config.model.tokenizer_path),
             data.text_field,
             chat=chat,
-            is_main=self.world.is_main,
-            barrier=dist.barrier if self.world.world_size > 1 else None,
+            is_main=self.parallel_dims.is_main,
+            barrier=dist.barrier if self.parallel_dims.world_size > 1 else None,
         )
-        if store.chat is not None and self.world.is_main:
+        if store.chat is not None and self.parallel_dims.is_main:
             counts = store.chat
             logger.info(
                 "%s '%s': %d conversations; %d longer than %d tokens truncated, %d dropped "
@@ -363,8 +374,7 @@ class Trainer:
             device=self.device,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
-            rank=self.world.rank,
-            world_size=self.world.world_size,
+            parallel_dims=self.parallel_dims,
             name_of=self.host.name_of,
         )
         self.hook.wrap_model(ctx=ctx)
@@ -372,7 +382,7 @@ class Trainer:
         self.loss_fn = ctx.loss_fn
         masked = self.train_data.loss_mask
         # The group only where it is used: on a 2-D mesh its first call creates it.
-        group = data_parallel_group(self.world.mesh) if masked else None
+        group = data_parallel_group(self.parallel_dims) if masked else None
         self.step_loss = StepLoss(masked=masked, group=group)
 
     def _build_optimizer(self) -> tuple[torch.optim.Optimizer, str]:
@@ -382,10 +392,8 @@ class Trainer:
             config=self.config,
             named_parameters=tuple(self.model.named_parameters()),
             optimizer_config=self.config.optimizer,
-            mesh=self.world.mesh,
             device=self.device,
-            rank=self.world.rank,
-            world_size=self.world.world_size,
+            parallel_dims=self.parallel_dims,
             name_of=self.host.name_of,
         )
         built = plugin_optimizer(
@@ -409,9 +417,7 @@ class Trainer:
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
             device=self.device,
-            mesh=self.world.mesh,
-            rank=self.world.rank,
-            world_size=self.world.world_size,
+            parallel_dims=self.parallel_dims,
             name_of=self.host.name_of,
             export_hf=export_checkpoint,
             control=self.control,
@@ -421,7 +427,11 @@ class Trainer:
         self.metrics.shown = ctx.console
         self.loss_scaler = ctx.loss_scaler
         self.loss_terms = LossTerms.of(self.host)
-        if self.param_dtype == torch.float16 and ctx.loss_scaler is None and self.world.is_main:
+        if (
+            self.param_dtype == torch.float16
+            and ctx.loss_scaler is None
+            and self.parallel_dims.is_main
+        ):
             warnings.warn(
                 "training.mixed_precision_param is float16 but no enabled plugin scales the "
                 "loss: small gradients may underflow to zero; enable the 'grad_scaler' plugin",
@@ -539,11 +549,11 @@ class Trainer:
             cfg.model.flavor,
             self.model_spec.num_params(self.model_args) / 1e6,
             cfg.training.steps,
-            self.world.world_size,
+            self.parallel_dims.world_size,
             self.device.type,
             cfg.training.mixed_precision_param,
         )
-        estimate = estimate_run(cfg, self.world.world_size, self.model_args.vocab_size)
+        estimate = estimate_run(cfg, self.parallel_dims.world_size, self.model_args.vocab_size)
         logger.info("memory estimate per process: %s", estimate.summary())
         logger.info(
             "optimizer (%s): %s", self.optimizer_builder, describe_param_groups(self.optimizer)
@@ -588,18 +598,18 @@ class Trainer:
     def _log_step(self, loss: torch.Tensor, ctx: StepContext, lr: torch.Tensor) -> None:
         """Read the step's numbers from the device (the one host sync of a logging step)."""
         times = self.timer.window()
-        global_loss = all_reduce_mean(loss, self.world.world_size)
+        global_loss = all_reduce_mean(loss, self.parallel_dims.world_size)
         record = {"step": self.step, "loss": to_number(global_loss), "lr": to_number(lr)}
         for plugin, metrics in self.host.results("step_metrics", ctx=ctx).items():
             record.update({f"{plugin}/{k}": to_number(v) for k, v in metrics.items()})
         if self.loss_terms is not None:
-            record.update(self.loss_terms.metrics(self.world.world_size))
+            record.update(self.loss_terms.metrics(self.parallel_dims.world_size))
         train_cfg = self.config.training
         record.update(
             throughput(
                 train_cfg.batch_size * train_cfg.seq_len,
                 times["time_step_s"],
-                self.world.world_size,
+                self.parallel_dims.world_size,
                 self.model_spec.flops_per_token(self.model_args, train_cfg.seq_len),
                 self.peak_tflops,
                 self.matmul_step_seconds,
@@ -656,8 +666,8 @@ class Trainer:
         for microbatch in iter_eval_batches(
             self.val_data,
             batch_size=self.config.training.batch_size,
-            rank=self.world.dp_rank,
-            world_size=self.world.dp_size,
+            rank=self.parallel_dims.dp_rank,
+            world_size=self.parallel_dims.dp_size,
             max_batches=self.config.validation.steps,
         ):
             microbatch = microbatch.to(self.device)
@@ -681,7 +691,9 @@ class Trainer:
         self.model.train()
         # One reduction for both, in float64; rounded back to float32, the loss sums are those
         # of a float32 reduction (bitwise on 1 and 2 ranks: 53 bits >= 2 x 24 + 2).
-        reduced = all_reduce_mean(torch.cat([total.double(), scored]), self.world.world_size)
+        reduced = all_reduce_mean(
+            torch.cat([total.double(), scored]), self.parallel_dims.world_size
+        )
         total, (nats, num_bytes) = reduced[:2].float(), reduced[2:]
         bits_per_byte = nats / (math.log(2) * num_bytes)
         loss, bpb = torch.stack([(total[0] / total[1]).double(), bits_per_byte]).tolist()

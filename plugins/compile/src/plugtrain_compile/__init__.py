@@ -87,7 +87,7 @@ class Compile:
         name = ctx.name_of(self)
         # Under TP, torch 2.13's AOTAutograd (aot_eager, inductor) fails in a compiled block's
         # backward: "'Tensor' object has no attribute '_local_tensor'" (CPU, gloo; tp 2).
-        refuse_tensor_parallel(ctx.config, name)
+        refuse_tensor_parallel(ctx.parallel_dims, name)
         on_cpu = config.backend == "inductor" and ctx.device.type == "cpu"
         if on_cpu and shutil.which(cpp_compiler()) is None:
             raise ConfigError(

@@ -82,8 +82,9 @@ class DownstreamEval:
         assert ctx.tokenizer is not None, "a run's setup gives its tokenizer"
         # The items are split over the ranks that train on different data: a tp group's
         # ranks join the same forwards.
-        self.group = data_parallel_group(ctx.mesh)
-        self.model, self.rank, self.world_size = ctx.model, self.group.rank(), self.group.size()
+        dims = ctx.parallel_dims
+        self.group = data_parallel_group(dims)
+        self.model, self.rank, self.world_size = ctx.model, dims.dp_rank, dims.dp_size
         max_seq_len = ctx.model.args.max_seq_len
         self.tasks = encode_tasks(tasks, ctx.tokenizer, max_seq_len, cfg.max_items)
         ctx.show_on_console(self, *(f"{name}/acc" for name in names))

@@ -160,7 +160,7 @@ class Ema:
     def setup(self, ctx: SetupContext) -> None:
         self.name = ctx.name_of(self)
         self.config = ctx.plugin_config(self)
-        self.rank = ctx.rank
+        self.rank = ctx.parallel_dims.rank
         if self.config.export and "://" in ctx.config.job.dump_folder:
             # Its export writes a folder beside the checkpoint's files, which a URL has not.
             raise ConfigError(
@@ -168,7 +168,7 @@ class Ema:
                 f"{ctx.config.job.dump_folder} is a URL: set {self.name}.export false"
             )
         idle = self.config.idle_warning(ctx.config.training.steps)
-        if idle and ctx.rank == 0:
+        if idle and ctx.parallel_dims.is_main:
             logger.warning("%s: %s", self.name, idle)
         if self.config.validate:
             ctx.show_on_console(self, "validation_loss")

@@ -58,7 +58,7 @@ class HfExport:
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
         self.config = ctx.plugin_config(self)
-        self.rank = ctx.rank
+        self.rank = ctx.parallel_dims.rank
         self.export = ctx.export_hf
         self.last_step = ctx.config.training.steps
         url = ctx.config.job.dump_folder

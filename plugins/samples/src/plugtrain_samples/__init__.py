@@ -66,7 +66,7 @@ class Samples:
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
         self.config = ctx.plugin_config(self)
-        self.name, self.rank = ctx.name_of(self), ctx.rank
+        self.name, self.rank = ctx.name_of(self), ctx.parallel_dims.rank
         self.model, self.tokenizer = ctx.model, ctx.tokenizer
         if not ctx.config.validation.interval:
             reason = "validation.interval is 0: no validation to write samples at"

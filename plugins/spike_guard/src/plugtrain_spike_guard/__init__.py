@@ -165,12 +165,11 @@ class SpikeGuard:
         ctx.show_on_console(self, "rewinds", nonzero=True)
         log_freq = ctx.config.metrics.log_freq
         self._allocate(ctx.device, min(log_freq, cfg.check_every or log_freq))
-        self._world_size = 1
-        if ctx.world_size > 1:
-            self._group = data_parallel_group(ctx.mesh)  # each rank's loss is its own data's
-            # The ranks that train on different data: the world without tensor parallelism.
-            self._world_size = self._group.size()
-        if ctx.rank == 0:
+        # The ranks that train on different data: the world without tensor parallelism.
+        self._world_size = ctx.parallel_dims.dp_size
+        if self._world_size > 1:
+            self._group = data_parallel_group(ctx.parallel_dims)  # each rank's loss is its own
+        if ctx.parallel_dims.is_main:
             self.log_path = Path(ctx.config.job.records_folder) / EVENT_LOG
             # A step is tested once the steps before it filled the warmup.
             warmup, steps = max(cfg.warmup_steps, 2), ctx.config.training.steps
