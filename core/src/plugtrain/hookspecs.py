@@ -69,6 +69,25 @@ pluggy like every other hook (the hook trace and cost counts see them), but a ``
 or ``hookwrapper=True`` implementation of one is refused at registration: a wrapper could only
 see, or replace, the answers of the other plugins. ``load_state_dict`` fires for one plugin at a
 time, with that plugin's own state.
+
+The job's layout: ``ModelContext``, ``OptimizerContext`` and ``SetupContext`` carry
+``ctx.parallel_dims`` (:class:`plugtrain.plugin.ParallelDims`), built once per run from
+``[parallelism]``: each dimension's degree (``dp_replicate``, ``dp_shard``, ``tp``; ``pp``,
+``ep``, ``cp`` are 1 for now) and ``*_enabled``, this rank's index in each (``rank_in("tp")``),
+the world's ``rank``, ``world_size`` and ``is_main``, the ranks that train on different data
+(``dp_rank`` of ``dp_size``) and the meshes by name (``get_mesh("dp")``, ``get_mesh("tp")``).
+A plugin reads the layout there, never from ``config.parallelism``.
+
+What a hook sees under tensor parallelism (``ctx.parallel_dims.tp_enabled``): the model hooks
+see the whole model on the meta device, before it is split: the plan addresses modules by
+name, which is why a wrapper may not rename them. From ``build_optimizer`` on, every parameter
+and gradient is a DTensor over the ``("dp_shard", "tp")`` mesh (``("dp_replicate", "dp_shard",
+"tp")`` under HSDP): sharded over ``tp`` for the projections and the vocabulary-sharded
+embedding and output, replicated over it for the norms; ``p.shape`` is the full shape. The
+logits a ``loss_terms`` hook receives are a DTensor sharded over the vocabulary (read
+``ctx.lse``, never gather them). The ranks of one ``tp`` group read the same batches and
+compute the same loss: reduce a value of the data over the ``dp_size`` ranks of
+:func:`plugtrain.plugin.data_parallel_group`, not over the world.
 """
 
 from __future__ import annotations
@@ -128,7 +147,7 @@ def wrap_model(ctx: ModelContext) -> None:
 
     Fires once per run, before ``compile_model`` and before anything else sees the model: it
     is on the meta device (parameters without storage), not yet sharded with FSDP2, and not yet
-    initialised. ``ctx.device``, ``ctx.param_dtype`` and ``ctx.world_size`` say what the run
+    initialised. ``ctx.device``, ``ctx.param_dtype`` and ``ctx.parallel_dims`` say what the run
     will do with it. Wrap forwards in place with :func:`plugtrain.plugin.wrap_forward`
     (activation checkpointing wraps ``ctx.blocks``): never replace, add or rename a module or a
     parameter, so that ``init_weights`` gives the same weights and checkpoints keep their keys
