@@ -214,8 +214,9 @@ def shipped(flavor: str, dtype: str, accum: int, steps: int, reps: int) -> dict:
     Also times one ``list(ctx.model.parameters())``, the walk of the module tree that
     ``ctx.params`` saves: grad_clip made one per step before the trainer held that tuple.
     """
+    from plugtrain.model import cross_entropy
     from plugtrain.training.launch import configure
-    from plugtrain.training.trainer import Trainer, cross_entropy
+    from plugtrain.training.trainer import Trainer
 
     train_args = benchlib.trainer_args(
         flavor,

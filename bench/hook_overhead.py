@@ -36,10 +36,11 @@ import benchlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from plugtrain.model import cross_entropy
 from plugtrain.model.sharding import build_model
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import LRSchedule, build_optimizer
-from plugtrain.training.trainer import StepBatch, Trainer, cross_entropy
+from plugtrain.training.trainer import StepBatch, Trainer
 
 NAME = "hook_overhead"
 PLUGINS = ["grad_clip", "grad_scaler"]

@@ -34,11 +34,12 @@ import torch
 from hook_overhead import timed
 from plugtrain_activation_checkpointing import ActivationCheckpointing
 
+from plugtrain.model import cross_entropy
 from plugtrain.model.llama.transformer import FLAVORS, ModelArgs, Transformer
 from plugtrain.testing import PeakMemory, model_context
 from plugtrain.training.launch import configure
 from plugtrain.training.optim import LRSchedule, build_optimizer
-from plugtrain.training.trainer import StepBatch, Trainer, cross_entropy
+from plugtrain.training.trainer import StepBatch, Trainer
 
 NAME = "transforms"
 AC_MODES: dict[str, tuple[str, ...]] = {

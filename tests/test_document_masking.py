@@ -133,7 +133,7 @@ def test_activation_checkpointing_recomputes_the_masked_step_bitwise(tmp_path, p
         if extra:
             assert trainer.host.get("activation_checkpointing").checkpointed_blocks
         batch = trainer.batches.next_batch()
-        loss = trainer.loss_fn(trainer.model(batch[0].inputs, **batch[0].model_inputs()),
+        loss = trainer.loss.fn(trainer.model(batch[0].inputs, **batch[0].model_inputs()),
                                batch[0].targets)  # fmt: skip
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in trainer.model.parameters()]))

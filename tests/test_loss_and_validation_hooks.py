@@ -34,7 +34,8 @@ class LossProbe:
 
 
 class ConstantTerm:
-    """A loss term worth ``value`` with a zero gradient (it goes through the logits)."""
+    """A loss term worth ``value`` a step with a zero gradient (it goes through the logits):
+    each microbatch returns its share, its counted targets over the step's count."""
 
     def __init__(self, value: float | list[float]) -> None:
         self.value = value
@@ -45,7 +46,8 @@ class ConstantTerm:
         assert ctx.lse is ctx.lse  # computed once
         self.lse_shapes.append(tuple(ctx.lse.shape))
         assert ctx.logits.requires_grad and ctx.targets.shape == ctx.lse.shape
-        return {"constant": ctx.lse.sum() * 0 + torch.tensor(self.value)}
+        share = ctx.mask.sum() / ctx.count
+        return {"constant": ctx.lse.sum() * 0 + torch.tensor(self.value) * share}
 
 
 def train(folder, *args, plugins=(), steps=3):
@@ -59,12 +61,12 @@ def test_loss_terms_are_added_before_pre_backward_and_logged_on_their_own(tmp_pa
     plain_probe, probe, term = LossProbe(), LossProbe(), ConstantTerm(3.0)
     plain = train(tmp_path / "plain", *accum, plugins=[("probe", plain_probe)])
     added = train(tmp_path / "added", *accum, plugins=[("probe", probe), ("term", term)])
-    # Each microbatch's loss gains the term over the number of microbatches, exactly.
+    # Each microbatch's loss gains its share of the term: text counts every target, so half.
     assert [t.item() for t in probe.losses] == [t.item() + 1.5 for t in plain_probe.losses]
     assert term.lse_shapes == [(2, 32)] * 6  # batch 4 in 2 microbatches, seq_len 32
     records = [r for r in read_metrics(tmp_path / "added") if "loss" in r]
     plain_records = [r for r in read_metrics(tmp_path / "plain") if "loss" in r]
-    assert [r["term/constant"] for r in records] == [3.0] * 3  # the mean over microbatches
+    assert [r["term/constant"] for r in records] == [3.0] * 3  # the step's, its shares' sum
     assert [r["loss"] for r in records] == [r["loss"] for r in plain_records]  # still the CE
     assert parameter_checksums(added.model) == parameter_checksums(plain.model)  # zero gradient
 

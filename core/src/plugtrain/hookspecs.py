@@ -85,9 +85,11 @@ and gradient is a DTensor over the ``("dp_shard", "tp")`` mesh (``("dp_replicate
 "tp")`` under HSDP): sharded over ``tp`` for the projections and the vocabulary-sharded
 embedding and output, replicated over it for the norms; ``p.shape`` is the full shape. The
 logits a ``loss_terms`` hook receives are a DTensor sharded over the vocabulary (read
-``ctx.lse``, never gather them). The ranks of one ``tp`` group read the same batches and
-compute the same loss: reduce a value of the data over the ``dp_size`` ranks of
-:func:`plugtrain.plugin.data_parallel_group`, not over the world.
+``ctx.lse``, never gather them); ``ctx.lse`` is a plain tensor, the replicated value each rank
+holds, and ``ctx.mask`` and ``ctx.count`` are the same on every rank of a ``tp`` group. The
+ranks of one ``tp`` group read the same batches and compute the same loss: reduce a value of
+the data over the ``dp_size`` ranks of :func:`plugtrain.plugin.data_parallel_group`, not over
+the world.
 """
 
 from __future__ import annotations
@@ -211,14 +213,21 @@ def loss_terms(ctx: LossContext) -> Mapping[str, torch.Tensor] | None:
     Fires once per microbatch, after the forward and before ``pre_backward``, and only in runs
     where a plugin implements it (otherwise the loss is computed exactly as without it). The
     plugin sees ``ctx.logits``, ``ctx.targets`` and ``ctx.lse`` (the log-sum-exp of the logits,
-    computed once for all plugins), not the model; ``ctx.logits`` is None when the loss is
-    computed in chunks (``[model] loss_chunks``), ``ctx.lse`` is always there. Each value is a
-    0-d tensor in the autograd graph, a mean over the microbatch's tokens like the
-    cross-entropy: the trainer divides it by the number of microbatches and adds it to the loss
-    that ``pre_backward`` sees, so a loss scaler scales the total. The terms are added in the
-    order of their names, whatever the plugins' order. Each is logged on logging steps as
-    ``<plugin name>/<key>``, averaged over microbatches and ranks like the loss; ``loss`` itself
-    stays the cross-entropy.
+    computed once for all plugins, a plain tensor), not the model; ``ctx.logits`` is None when
+    the loss is computed in chunks (``[model] loss_chunks``), ``ctx.lse`` is always there.
+
+    Each value is a 0-d tensor in the autograd graph: **the microbatch's share of the step's
+    term**, normalised as the cross-entropy is. ``ctx.mask`` holds the targets that count
+    (not ``-100``: with chat data the assistant's, with text every one) and ``ctx.count`` the
+    step's count of them over every microbatch and data-parallel rank, divided by the number
+    of those ranks: a per-target term returns its sum over ``ctx.mask``'s targets divided by
+    ``ctx.count`` (z-loss: ``weight * (lse**2 * mask).sum() / count``), so that summed over
+    the microbatches and averaged over the ranks it is the mean over every counted target of
+    the step. The trainer adds it, as it is, to the loss that ``pre_backward`` sees, so a loss
+    scaler scales the total. The terms are added in the order of their names, whatever the
+    plugins' order. Each is logged on logging steps as ``<plugin name>/<key>``, summed over
+    the microbatches and averaged over ranks like the loss; ``loss`` itself stays the
+    cross-entropy.
     """
 
 
@@ -226,10 +235,11 @@ def loss_terms(ctx: LossContext) -> Mapping[str, torch.Tensor] | None:
 def pre_backward(ctx: StepContext) -> None:
     """Fires before each microbatch's ``backward()``, ``ctx.num_microbatches`` times per step.
 
-    ``ctx.loss`` is the scalar tensor backward will run on (the microbatch loss divided by the
-    number of microbatches); ``ctx.microbatch`` is its index. A plugin may replace ``ctx.loss``
-    with another tensor of the same graph (a loss scaler multiplies it). The trainer logs the
-    loss as it was before this hook, whatever plugins do.
+    ``ctx.loss`` is the scalar tensor backward will run on (the microbatch's share of the
+    step's loss, normalised by the step's count of counted targets: see ``loss_terms``);
+    ``ctx.microbatch`` is its index. A plugin may replace ``ctx.loss`` with another tensor of
+    the same graph (a loss scaler multiplies it). The trainer logs the loss as it was before
+    this hook, whatever plugins do.
     """
 
 

@@ -99,7 +99,7 @@ class ModelContext:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """The loss of a training microbatch from its logits and targets: the mean fp32
     cross-entropy, or for data with a loss mask (chat data) its sum over the targets that
-    count, which the trainer scales by the step's count (``training/loss_mean.py``). A
+    count, which the trainer divides by the step's count (``training/loss.py``). A
     compiler may replace it, in ``compile_model`` only, by a compiled version of itself
     (``ctx.loss_fn = torch.compile(ctx.loss_fn)``); the trainer calls what it holds after the
     model hooks, at every microbatch. Validation keeps the plain cross-entropy."""
@@ -348,6 +348,16 @@ class LossContext:
     where the full logits never exist: a term of the logits' normaliser reads :attr:`lse`."""
     targets: torch.Tensor
     """The next-token ids, ``(batch, seq_len)``."""
+    mask: torch.Tensor
+    """The targets that count, ``(batch, seq_len)`` bool: those that are not ``-100`` (with
+    chat data the assistant's), every target of text."""
+    count: torch.Tensor | float
+    """The step's count, the cross-entropy's normaliser: the targets that count over every
+    microbatch of the step and every data-parallel rank, divided by the number of those ranks
+    (whose gradients FSDP2 averages). A float for text (``batch * seq_len`` over the ranks),
+    a 0-d tensor with a loss mask. A term normalised as the cross-entropy is returns this
+    microbatch's share of the step's term: its sum over :attr:`mask`'s targets over ``count``
+    (summed over the microbatches, the step's mean over every counted target)."""
     precomputed_lse: torch.Tensor | None = field(default=None, repr=False)
     """:attr:`lse` as a chunked loss computed it beside the loss, chunk by chunk; None: the
     property computes it from :attr:`logits` on first use."""
@@ -358,11 +368,12 @@ class LossContext:
 
         Computed on first use and shared by every plugin of the microbatch. The cross-entropy
         does not reuse it: rebuilding it from this would change the main loss's rounding.
-        Under tensor parallelism it is replicated: a DTensor of the sharded :attr:`logits`
-        (reduced over the vocabulary's shards, never gathered), the plain tensor in chunks."""
+        Always a plain tensor: under tensor parallelism the replicated value every rank holds
+        (reduced over the vocabulary's shards, never gathered), so that it combines with
+        :attr:`mask`."""
         if self.precomputed_lse is None:
             assert self.logits is not None
-            self.precomputed_lse = logsumexp(self.logits.float())
+            self.precomputed_lse = local_tensor(logsumexp(self.logits.float()))
         return self.precomputed_lse
 
 

@@ -44,7 +44,7 @@ def reference_run(
     norms = []
     for _ in range(STEPS):
         ((inputs, targets, *_),) = trainer.batches.next_batch()
-        trainer.loss_fn(model(inputs), targets).backward()
+        trainer.loss.fn(model(inputs), targets).backward()
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
             norms.append(norm.item())

@@ -63,7 +63,7 @@ def compare_scaler_classes(dump_folder: str) -> dict:
     out = {}
     for cls in (torch.amp.GradScaler, ShardedGradScaler):
         scaler = cls("cpu", init_scale=1024.0)
-        scaler.scale(trainer.loss_fn(trainer.model(inputs), targets)).backward()
+        scaler.scale(trainer.loss.fn(trainer.model(inputs), targets)).backward()
         if dist.get_rank() == 1:
             poison(trainer.model)
         with profile(activities=[ProfilerActivity.CPU]) as unscale_prof:

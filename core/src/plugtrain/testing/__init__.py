@@ -14,7 +14,7 @@ Runs (:mod:`~plugtrain.testing.runs`, :mod:`~plugtrain.testing.processes`):
   per-step losses, the metrics records, each rank's parameter checksum, the hooks fired in
   order and the skipped steps. The ``plugtrain_run`` fixture is the same, in ``tmp_path``.
 * :func:`make_trainer` builds the :class:`Trainer` of such a run for tests that drive it
-  themselves; :func:`tiny_args` are its command-line arguments; its ``loss_fn`` is its
+  themselves; :func:`tiny_args` are its command-line arguments; its ``loss.fn`` is its
   loss, for a reference loop written out.
 * :func:`run_distributed` calls a function on N spawned ranks; :func:`run_script` runs a
   training script as a user would (python, or torchrun for several processes).

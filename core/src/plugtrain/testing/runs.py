@@ -2,7 +2,7 @@
 
 The shipped sample (:data:`SAMPLE`) is the data; :func:`tiny_run` trains on 1 or more
 processes and returns a :class:`RunResult`; :func:`make_trainer` gives the :class:`Trainer`
-itself, whose ``loss_fn`` is its loss, for tests that write a reference loop out. This
+itself, whose ``loss.fn`` is its loss, for tests that write a reference loop out. This
 is the one module of the kit that imports the trainer: like ``train.py``, it is an entry point
 that builds runs.
 """

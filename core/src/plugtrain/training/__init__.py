@@ -1,4 +1,4 @@
-"""The training loop: the trainer, its optimizer and schedule, the launch from a command line."""
+"""The training loop: the trainer, its step, loss, data and validation, optimizer and schedule."""
 
 from typing import TYPE_CHECKING
 
@@ -7,7 +7,11 @@ if TYPE_CHECKING:
     from plugtrain.training.launch import configure as configure
     from plugtrain.training.launch import ends_quietly as ends_quietly
     from plugtrain.training.launch import run_cli as run_cli
+    from plugtrain.training.loss import RunLoss as RunLoss
+    from plugtrain.training.run_data import open_training_data as open_training_data
+    from plugtrain.training.step import StepRunner as StepRunner
     from plugtrain.training.trainer import Trainer as Trainer
+    from plugtrain.training.validation import Validation as Validation
 else:
     from plugtrain.exports import front_door
 

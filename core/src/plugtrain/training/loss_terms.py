@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
+from plugtrain.data import IGNORE_INDEX
 from plugtrain.distributed import all_reduce_mean
 from plugtrain.errors import PluginError
 from plugtrain.host import PluginHost
@@ -22,7 +23,7 @@ class LossTerms:
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         """Each term of the current step, ``<plugin>/<key>``, summed over its microbatches
-        (each divided by their number, as the loss is): the step's mean on this rank."""
+        (each the microbatch's share, as the loss's): the step's term on this rank."""
 
     @classmethod
     def of(cls, host: PluginHost) -> LossTerms | None:
@@ -34,11 +35,16 @@ class LossTerms:
         ctx: StepContext,
         logits: torch.Tensor | None,
         targets: torch.Tensor,
+        count: torch.Tensor | float,
         lse: torch.Tensor | None = None,
     ) -> LossContext:
         """What ``loss_terms`` receives for the current microbatch of step ``ctx``: its logits,
-        or None and their log-sum-exp ``lse`` when the loss is computed in chunks."""
-        return LossContext(ctx.step, ctx.microbatch, ctx.num_microbatches, logits, targets, lse)
+        or None and their log-sum-exp ``lse`` when the loss is computed in chunks; the mask of
+        its counted targets and the step's ``count`` (see ``training.loss``)."""
+        mask = targets != IGNORE_INDEX
+        return LossContext(
+            ctx.step, ctx.microbatch, ctx.num_microbatches, logits, targets, mask, count, lse
+        )
 
     def added_to(
         self,
@@ -46,9 +52,9 @@ class LossTerms:
         answers: Mapping[str, Mapping[str, torch.Tensor]],
         ctx: StepContext,
     ) -> torch.Tensor:
-        """``loss`` (a microbatch's, divided by the number of microbatches) plus the terms of
-        ``loss_terms``'s ``answers`` by plugin, each divided likewise and added in the order of
-        their names."""
+        """``loss`` (a microbatch's share of the step's) plus the terms of ``loss_terms``'s
+        ``answers`` by plugin (each the microbatch's share of the step's term, normalised by
+        the step's count as the loss is), added in the order of their names."""
         if ctx.microbatch == 0:
             self.sums = {}
         terms = {}
@@ -58,10 +64,10 @@ class LossTerms:
                     raise PluginError(
                         f"plugin '{plugin}': loss_terms returned {key!r} = {type(value).__name__}"
                         f"{'' if not isinstance(value, torch.Tensor) else tuple(value.shape)}, "
-                        "not a 0-d tensor: return the term's mean over the tokens"
+                        "not a 0-d tensor: return the microbatch's share of the step's term"
                     )
                 # A term of tensor-parallel logits is a replicated DTensor: its local value.
-                terms[f"{plugin}/{key}"] = full_tensor(value) / ctx.num_microbatches
+                terms[f"{plugin}/{key}"] = full_tensor(value)
         for name in sorted(terms):
             term = terms[name]
             loss = loss + term

@@ -180,6 +180,28 @@ class LRSchedule:
         """The learning rate of the next step (first param group), a 0-d tensor."""
         return self.optimizer.param_groups[0]["lr"]
 
+    def resize_note(self, steps: int, step: int, lr: float) -> str | None:
+        """What a resumed run at ``step`` whose ``training.steps`` changed to ``steps`` does
+        (None if it did not change): the schedule keeps the length it was planned for, so that
+        the learning rate (peak ``lr``) never jumps."""
+        planned = self.total_steps
+        if planned == steps:
+            return None
+        if steps > planned:
+            first = max(planned, step) + 1
+            if first > steps:
+                return None  # nothing left to train
+            final = lr * lr_factor(torch.tensor(planned), self.cfg, planned).item()
+            what = f"steps {first}-{steps} train at the schedule's final learning rate, {final:.3g}"
+            if self.cfg.decay_type != "constant":
+                what += " (min_lr_ratio x lr)"
+        else:
+            what = f"the run stops at step {steps}, before the learning rate has fully decayed"
+        return (
+            f"training.steps is {steps} but the resumed run's LR schedule was planned for "
+            f"{planned} steps: {what}"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {"applied_steps": self.applied_steps, "total_steps": self.total_steps}
 

@@ -1,10 +1,14 @@
-"""PaLM's z-loss, ``weight * logsumexp(logits)^2`` averaged over tokens, as a plugtrain plugin.
+"""PaLM's z-loss, ``weight * logsumexp(logits)^2`` averaged over targets, as a plugtrain plugin.
 
 The auxiliary loss keeps the softmax normaliser ``log Z = logsumexp(logits)`` near zero, which
 keeps the logits from drifting and large-scale bf16 training stable (PaLM, OLMo, MaxText use
 ``weight = 1e-4``). It is a loss term (the ``loss_terms`` hook): the trainer adds it to each
 microbatch's loss before ``pre_backward``, so a loss scaler scales it with the rest, and logs
-it as ``<plugin name>/z_loss``, averaged over microbatches and ranks like the loss. The console
+it as ``<plugin name>/z_loss``, over the step and averaged over ranks like the loss. It is
+masked and normalised as the cross-entropy is (as OLMo-core divides its z-loss by the
+cross-entropy's factor): the sum over the targets that count, ``ctx.mask`` (with chat data the
+assistant's), divided by the step's count of them, ``ctx.count``. With text, where every
+target counts, that is the mean over the step's tokens. The console
 line leaves it out: a small term that moves slowly, it is read in ``metrics.jsonl`` and the
 sinks, while the console's ``loss`` stays the cross-entropy.
 """
@@ -26,7 +30,8 @@ class ZLossConfig:
     """The ``[z_loss]`` config section."""
 
     weight: float = 1e-4
-    """The z-loss's factor: the term is ``weight * mean over tokens of logsumexp(logits)^2``."""
+    """The z-loss's factor: the term is ``weight * mean over counted targets of
+    logsumexp(logits)^2``."""
 
     def __post_init__(self) -> None:
         check_field(
@@ -38,7 +43,8 @@ class ZLossConfig:
 
 
 class ZLoss:
-    """Adds ``weight * mean(logsumexp(logits)^2)`` to the loss, for every microbatch."""
+    """Adds ``weight * logsumexp(logits)^2`` summed over the counted targets over the step's
+    count of them to the loss, for every microbatch."""
 
     def __init__(self) -> None:
         self.config = ZLossConfig()
@@ -53,4 +59,5 @@ class ZLoss:
 
     @hookimpl
     def loss_terms(self, ctx: LossContext) -> dict[str, torch.Tensor]:
-        return {"z_loss": self.config.weight * ctx.lse.square().mean()}
+        masked = ctx.lse.square() * ctx.mask
+        return {"z_loss": self.config.weight * masked.sum() / ctx.count}

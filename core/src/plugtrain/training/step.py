@@ -1,0 +1,77 @@
+"""The model's work in a step: each microbatch's forward, loss, loss terms and backward.
+
+The trainer's loop (schedule, optimizer, checkpoints, metrics, stop) hands each step's
+microbatches to :meth:`StepRunner.forward_backward`, which counts the step's targets (the
+loss's normaliser, ``training.loss``) and dispatches to a *body*. Today's one body runs the
+microbatches one after another, accumulating their gradients; a pipeline schedule, which
+replaces that loop, would be a sibling body chosen in the constructor, not a branch in the
+loop (torchtitan's ``forward_backward_step``, OLMo-core's train modules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from plugtrain.data import MicroBatch
+from plugtrain.host import PluginHost
+from plugtrain.observability import StepTimer
+from plugtrain.plugin import StepContext
+from plugtrain.training.loss import RunLoss
+from plugtrain.training.loss_terms import LossTerms
+
+StepBody = Callable[[StepContext, Sequence[MicroBatch]], torch.Tensor]
+"""A way to run a step's microbatches through the model: the step's loss on this rank."""
+
+
+class StepRunner:
+    """Runs a step's microbatches through ``model`` with the run's ``loss`` and the plugins'
+    loss terms (``loss_terms``, None if no plugin adds any), firing the per-microbatch hooks;
+    ``sync_replicas(last)`` says whether the next backward all-reduces across replicas."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss: RunLoss,
+        host: PluginHost,
+        loss_terms: LossTerms | None,
+        sync_replicas: Callable[[bool], None],
+        timer: StepTimer,
+    ) -> None:
+        self.model, self.loss, self.host, self.hook = model, loss, host, host.hook
+        self.loss_terms, self.sync_replicas, self.timer = loss_terms, sync_replicas, timer
+        self.body: StepBody = self.accumulate
+        """The body :meth:`forward_backward` runs: gradient accumulation over microbatches."""
+
+    def forward_backward(self, ctx: StepContext, batch: Sequence[MicroBatch]) -> torch.Tensor:
+        """Forward and backward over ``batch``, the step's microbatches, by :attr:`body`;
+        returns the step's loss on this rank (the cross-entropy alone, a tensor)."""
+        self.loss.start(batch)
+        with self.loss.parallel():  # nothing without tensor parallelism
+            return self.body(ctx, batch)
+
+    def accumulate(self, ctx: StepContext, batch: Sequence[MicroBatch]) -> torch.Tensor:
+        """The microbatches one after another, each firing ``loss_terms`` (if implemented) and
+        ``pre_backward`` between its forward and its backward; the gradients accumulate."""
+        lap = self.timer.lap  # each lap ends a phase of the step: see StepTimer
+        loss_sum = torch.zeros((), device=batch[0].targets.device)
+        for ctx.microbatch, microbatch in enumerate(batch):
+            with_lse = self.loss_terms is not None
+            logits, loss, lse = self.loss.forward(self.model, microbatch, with_lse=with_lse)
+            loss = self.loss.share(loss, ctx.num_microbatches)
+            loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
+            if self.loss_terms is not None:  # only in runs where a plugin implements the hook
+                terms_ctx = self.loss_terms.context(
+                    ctx, logits, microbatch.targets, self.loss.count, lse
+                )
+                terms = self.host.results("loss_terms", ctx=terms_ctx)
+                loss = self.loss_terms.added_to(loss, terms, ctx)
+            del logits, lse  # freed before backward, as the graph keeps only what it needs
+            ctx.loss = loss
+            lap("fwd_bwd")
+            self.hook.pre_backward(ctx=ctx)
+            lap("hooks")
+            self.sync_replicas(ctx.microbatch == ctx.num_microbatches - 1)
+            ctx.loss.backward()
+        return loss_sum
