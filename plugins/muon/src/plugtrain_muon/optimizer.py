@@ -116,10 +116,13 @@ class MuonAdamW(Optimizer):
                 if p.ndim != 2:
                     raise ValueError(f"Muon takes 2-D parameters only, got shape {list(p.shape)}")
         # torch's AdamW fills in its defaults; its groups are this optimizer's AdamW groups.
-        self._adamw = torch.optim.AdamW([{**g, "muon": False} for g in adamw_groups], fused=True)
+        # There may be none: every trainable parameter a matrix (adapters on a frozen model).
+        adamw_groups = [{**g, "muon": False} for g in adamw_groups]
+        self._adamw = torch.optim.AdamW(adamw_groups, fused=True) if adamw_groups else None
         self.adjust_lr_fn, self.ns_coefficients = adjust_lr_fn, ns_coefficients
         self.ns_dtype = ns_dtype
-        super().__init__([*muon_groups, *self._adamw.param_groups], defaults={})
+        adamw_param_groups = [] if self._adamw is None else self._adamw.param_groups
+        super().__init__([*muon_groups, *adamw_param_groups], defaults={})
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -135,6 +138,8 @@ class MuonAdamW(Optimizer):
                 for p in group["params"]:
                     if p.grad is not None:
                         self._muon_update(p, group, skip, grad_scale)
+        if self._adamw is None:
+            return loss
         # The groups and state are looked up at each step: loading a state dict replaces them.
         self._adamw.param_groups = [g for g in self.param_groups if not g["muon"]]
         self._adamw.state = self.state
