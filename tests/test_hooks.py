@@ -16,7 +16,8 @@ from plugtrain.training.trainer import Trainer
 
 
 def expected_calls(steps: int, accum: int) -> list[tuple]:
-    calls = [("wrap_model", None, None), ("compile_model", None, None),
+    calls = [("convert_model", None, None), ("wrap_model", None, None),
+             ("compile_model", None, None),
              ("build_optimizer", None, None), ("setup", None, None)]  # fmt: skip
     for step in range(1, steps + 1):
         for m in range(accum):

@@ -60,8 +60,9 @@ def test_a_tiny_run_reports_losses_hooks_checksums_and_skips(tmp_path):
     assert [r["step"] for r in run.metrics if "loss" in r] == [1, 2, 3]
     assert len(run.checksums) == 1 and len(run.checksums[0]) == 64
     assert run.skipped_steps == [2]
-    expected = [("wrap_model", None, None), ("compile_model", None, None),
-                ("build_optimizer", None, None), ("setup", None, None)]  # fmt: skip
+    expected = [("convert_model", None, None), ("wrap_model", None, None),
+                ("compile_model", None, None), ("build_optimizer", None, None),
+                ("setup", None, None)]  # fmt: skip
     for step in (1, 2, 3):
         expected += [(hook, step, 0) for hook in STEP_HOOKS]
     assert run.hooks == expected

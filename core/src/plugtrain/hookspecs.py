@@ -3,12 +3,33 @@
 This module is plugtrain's plugin API; the trainer is written against it and plugins implement
 it with :data:`plugtrain.plugin.hookimpl`. Building the run fires, once, in this order::
 
-    model built on the meta device
+    model built on the meta device (no storage, unsharded)
+    convert_model            # model phase 0, convert: add parameters, freeze others
     wrap_model               # model phase 1, wrap: activation checkpointing, per block or whole
     compile_model            # model phase 2, compile: torch.compile (at most one compiler)
-    fully_shard (FSDP2), materialise, init_weights(seed)
+    parallelise: tensor parallelism (parallelism.tp), then FSDP2's fully_shard
+    materialise (to_empty), init_weights(seed)   # or the initial load, for the base weights
     build_optimizer          # at most one plugin builds the optimizer (else: fused AdamW)
     setup                    # the optimizer, schedule and dtypes exist
+
+What each build phase may change (``docs/writing-plugins.md``, "What a plugin may and may
+not change", says it for users):
+
+* ``convert_model`` alone changes the parameter set: it adds parameters, each with its init,
+  tensor-parallel style and export rule, and freezes others (``requires_grad`` False). It never
+  renames, replaces or removes a base parameter, so a checkpoint's base keys, the
+  tensor-parallel plan and the Hugging Face names stay the model's; the base weights are drawn
+  as in a run without the plugin. It may wrap the forwards that use what it added.
+* ``wrap_model`` and ``compile_model`` change forwards only, never a parameter or a module.
+* The parallelisation is the core's: no hook adds, removes or reshapes a parallel dimension,
+  and every hook before it sees plain, whole tensors on the meta device. From
+  ``build_optimizer`` on, parameters are DTensors: under ``parallelism.tp`` each is split by
+  the model's plan (an added one by its own style), then sharded over ``dp_shard`` by FSDP2;
+  ``p.shape`` is the full shape either way.
+* ``build_optimizer`` and every later hook see the trainable parameters only
+  (``ctx.named_parameters``, ``ctx.params``); frozen ones stay in the model and in checkpoints,
+  bit for bit. No hook changes the step's structure (microbatches, backward, the optimizer
+  step): a plugin acts through the hooks below.
 
 A training step fires, in this order::
 
@@ -107,6 +128,7 @@ if TYPE_CHECKING:
     import torch
 
     from plugtrain.plugin import (
+        ConvertContext,
         LossContext,
         Metrics,
         ModelContext,
@@ -144,18 +166,34 @@ def config_section() -> type | None:
 
 
 @hookspec
+def convert_model(ctx: ConvertContext) -> None:
+    """Model phase 0, convert: add parameters to the model, freeze others (LoRA adapters).
+
+    Fires once per run, before ``wrap_model``, on the model as built: on the meta device
+    (parameters without storage), unsharded and not tensor-parallel. Add parameters with
+    ``ctx.add_parameter(self, module, name, shape, init=..., tp=..., export=...)``, each with
+    how it is initialised (a seeded fill, reproducible), placed under tensor parallelism and
+    exported to Hugging Face (merged into a base weight, or dropped); freeze base parameters
+    with ``ctx.freeze(self, *names)``. Both are refused outside this hook. Never rename,
+    replace or remove a parameter or module; wrap the forwards that use what was added with
+    :func:`plugtrain.plugin.wrap_forward`. Implementations must commute: two plugins may add
+    parameters side by side, but not to each other's.
+    """
+
+
+@hookspec
 def wrap_model(ctx: ModelContext) -> None:
     """Model phase 1, wrap: put structural wrappers around the blocks or the whole model.
 
-    Fires once per run, before ``compile_model`` and before anything else sees the model: it
+    Fires once per run, after ``convert_model`` and before ``compile_model``: the model
     is on the meta device (parameters without storage), not yet sharded with FSDP2, and not yet
     initialised. ``ctx.device``, ``ctx.param_dtype`` and ``ctx.parallel_dims`` say what the run
     will do with it. Wrap forwards in place with :func:`plugtrain.plugin.wrap_forward`
     (activation checkpointing wraps ``ctx.blocks``): never replace, add or rename a module or a
-    parameter, so that ``init_weights`` gives the same weights and checkpoints keep their keys
-    whether the plugin is enabled or not. A wrapper must not change the forward's result, and
-    implementations of this phase must commute (their result may not depend on which runs
-    first).
+    parameter (``convert_model`` alone adds parameters), so that ``init_weights`` gives the
+    same weights and checkpoints keep their keys whether the plugin is enabled or not. A
+    wrapper must not change the forward's result, and implementations of this phase must
+    commute (their result may not depend on which runs first).
     """
 
 
@@ -181,7 +219,8 @@ def build_optimizer(ctx: OptimizerContext) -> torch.optim.Optimizer | None:
     Fires once per run, after the model is sharded and materialised and before the LR schedule,
     ``setup`` and any checkpoint load. At most one plugin may answer (two are refused, naming
     both); when none does, the core builds fused AdamW from ``[optimizer]``. The optimizer must
-    hold every parameter exactly once, and each param group's ``lr`` must be a 0-d float
+    hold every trainable parameter exactly once (``ctx.named_parameters``: those frozen in
+    ``convert_model`` are not there), and each param group's ``lr`` must be a 0-d float
     tensor on the device (``ctx.learning_rate(peak)``): the LR schedule (warmup, decay, WSD)
     scales every group's peak in place, by the same factor; the run's logged ``lr`` is group
     0's. To keep the step free of host syncs, set ``_step_supports_amp_scaling = True`` and

@@ -21,7 +21,17 @@ from plugtrain.data import Rewind, SkipRange
 from plugtrain.distributed import ParallelDims
 from plugtrain.errors import ConfigError, PluginError, check_field
 from plugtrain.evaluation import EncodedTasks, Score, Task, encode_tasks, read_task, score
-from plugtrain.model import TextTokenizer, complete, logsumexp, whole_logits
+from plugtrain.model import (
+    Conversion,
+    ExportRule,
+    MergeInto,
+    ShardLike,
+    TensorParallelStyle,
+    TextTokenizer,
+    complete,
+    logsumexp,
+    whole_logits,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -35,9 +45,11 @@ __all__ = [
     "API_VERSION",
     "PROJECT_NAME",
     "ConfigError",
+    "ConvertContext",
     "EncodedTasks",
     "HfExporter",
     "LossContext",
+    "MergeInto",
     "ModelContext",
     "OptimizerContext",
     "ParallelDims",
@@ -46,6 +58,7 @@ __all__ = [
     "RunControl",
     "Score",
     "SetupContext",
+    "ShardLike",
     "SkipRange",
     "StepContext",
     "Task",
@@ -76,6 +89,69 @@ def _sole_holder(holder: str | None, name: str, doing: str) -> str:
     if holder is not None:
         raise PluginError(f"plugins '{holder}' and '{name}' both {doing}: enable only one of them")
     return name
+
+
+@dataclass(eq=False)
+class ConvertContext:
+    """What ``convert_model`` receives: the model to convert, on the meta device, unsharded.
+
+    A plugin adds parameters with :meth:`add_parameter` and freezes others with
+    :meth:`freeze`, here only (a call after the hook is refused). It may wrap the forwards
+    that use what it added (:func:`wrap_forward`). It never renames, replaces or removes a
+    base parameter: checkpoints, the tensor-parallel plan and the Hugging Face names key on
+    them.
+    """
+
+    config: JobConfig
+    """The whole validated config (core sections and every enabled plugin's section)."""
+    model: nn.Module
+    """The :class:`~plugtrain.model.transformer.Transformer`, on the meta device, unsharded."""
+    blocks: tuple[nn.Module, ...]
+    """The transformer blocks, ``model.layers`` in order."""
+    conversion: Conversion = field(repr=False)
+    """The model's conversion record (``plugtrain.model.conversion``), which the core's
+    initialisation, tensor parallelism, initial load and export consult."""
+    name_of: Callable[[object], str] = field(repr=False)
+    """The name a registered plugin object runs under (see :attr:`SetupContext.name_of`)."""
+
+    def plugin_config(self, plugin: object) -> Any:
+        """Return ``plugin``'s validated config section (its config dataclass)."""
+        return self.config.plugin(self.name_of(plugin))
+
+    def add_parameter(
+        self,
+        plugin: object,
+        module: str,
+        name: str,
+        shape: tuple[int, ...],
+        *,
+        init: Callable[[torch.Tensor, torch.Generator], torch.Tensor],
+        tp: TensorParallelStyle,
+        export: ExportRule,
+    ) -> nn.Parameter:
+        """Add a trainable float32 parameter ``name`` of ``shape`` to submodule ``module``
+        (``"layers.0.attention.wq"``) and return it, with its rules:
+
+        * ``init(t, generator)`` fills the float32 CPU tensor ``t`` from ``generator`` and
+          returns it, as the model's own ``init_plan`` fills do; the generator is seeded from
+          ``training.seed`` and the parameter's place after the model's own plan, in the
+          order of the added names, so a run is reproducible whatever the plugins' order;
+        * ``tp`` is how tensor parallelism places it: ``"replicate"``, ``ShardLike(base)``
+          (with the placements of base parameter ``base``), or None, which refuses
+          ``parallelism.tp`` above 1 in one line;
+        * ``export`` is what the Hugging Face export does with it: ``"drop"`` it, or
+          ``MergeInto(base, fn)``, which writes ``fn(base_weight, added)`` in place of base
+          parameter ``base`` (``added`` maps every added parameter's full name to its full
+          tensor), so that the exported folder is a plain Llama one.
+        """
+        return self.conversion.add(
+            self.model, self.name_of(plugin), module, name, shape, init, tp, export
+        )
+
+    def freeze(self, plugin: object, *names: str) -> None:
+        """Freeze the parameters ``names`` (full names): no gradient, no optimizer state; a
+        checkpoint still saves and restores them, bit for bit."""
+        self.conversion.freeze(self.model, self.name_of(plugin), names)
 
 
 @dataclass(eq=False)
@@ -173,10 +249,11 @@ class OptimizerContext:
     config: JobConfig
     """The whole validated config (core sections and every enabled plugin's section)."""
     named_parameters: tuple[tuple[str, nn.Parameter], ...]
-    """Every parameter with its name (``layers.0.attention.wq.weight``), in
-    ``model.named_parameters()`` order: FSDP2 DTensors, each ``Shard(0)`` over the mesh's
-    ``dp_shard`` dimension (replicated over ``dp_replicate``); plain tensors in a float32 run
-    of one process. ``p.shape`` is the full (logical) shape either way."""
+    """Every trainable parameter (not those frozen in ``convert_model``) with its name
+    (``layers.0.attention.wq.weight``), in ``model.named_parameters()`` order: FSDP2
+    DTensors, each ``Shard(0)`` over the mesh's ``dp_shard`` dimension (replicated over
+    ``dp_replicate``); plain tensors in a float32 run of one process. ``p.shape`` is the full
+    (logical) shape either way."""
     optimizer_config: OptimizerConfig
     """The core's ``[optimizer]`` section (``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``no_decay``): settings a plugin may reuse for the parameters it trains with AdamW."""
@@ -299,7 +376,8 @@ class StepContext:
     model: nn.Module
     optimizer: Optimizer
     params: tuple[nn.Parameter, ...]
-    """The model's parameters, in ``model.parameters()`` order (FSDP2 DTensors, sharded over
+    """The model's trainable parameters (those a plugin froze in ``convert_model`` are left
+    out), in ``model.parameters()`` order (FSDP2 DTensors, sharded over
     the mesh; plain tensors in a float32 run of one process). A tuple the trainer builds once:
     walking the module tree costs 50 us (debug model) to 400 us (8B) per
     ``model.parameters()`` call."""

@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner
-from plugtrain.checkpoint.saved import WEIGHTS, open_checkpoint
+from plugtrain.checkpoint.saved import WEIGHTS, SavedCheckpoint, open_checkpoint
 from plugtrain.data import BOS_TOKEN, DEFAULT_CHAT_TEMPLATE, EOS_TOKEN, ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
-from plugtrain.model import HFAdapter
+from plugtrain.model import Conversion, HFAdapter
 
 __all__ = ["export_checkpoint", "parse_size", "write_hf_folder"]
 
@@ -68,16 +69,19 @@ def export_checkpoint(
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
     tokenizer: str | os.PathLike[str] | None = None,
+    conversion: Conversion | None = None,
 ) -> tuple[Path | str, torch.dtype]:
     """Write checkpoint ``path`` (a dump folder or a ``step-N/`` folder, see
     :func:`~plugtrain.checkpoint.saved.open_checkpoint`) as a Hugging Face folder ``out``,
     reading one tensor at a time; returns the checkpoint folder exported and the dtype written.
     ``dtype`` None keeps the dtype the checkpoint stores the weights in (float32 for a run's:
     the export computes what the checkpoint does). ``tokenizer`` replaces the tokenizer.json
-    the run's config names (a relative path the run read from elsewhere)."""
+    the run's config names (a relative path the run read from elsewhere). ``conversion``
+    holds the export rules of the parameters a plugin added to the run's model (see
+    ``plugtrain.training.conversion``): they are merged into the base weights or dropped."""
     saved = open_checkpoint(path, tokenizer)
     folder, args, prefix, hf = saved.folder, saved.args, WEIGHTS[weights], saved.spec.hf
-    stored = saved.tensors(weights)
+    stored, keys = _stored(saved, weights, conversion)
     if dtype is None:  # the widest the checkpoint holds, should its tensors differ
         dtype = max({md.properties.dtype for md in stored.values()}, key=lambda d: d.itemsize)
     shapes = hf.parameter_shapes(args)
@@ -97,20 +101,20 @@ def export_checkpoint(
         )
 
     def load(name: str) -> torch.Tensor:
-        md = stored[name]
+        key, md = keys[name]
         tensor = torch.empty(md.size, dtype=md.properties.dtype)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
                 dcp.load(
-                    {prefix + name: tensor},
+                    {key: tensor},
                     storage_reader=saved.source.reader(),
                     planner=TensorOnlyLoadPlanner(),
                     no_dist=True,
                 )
         except (Exception, dcp.CheckpointException) as e:
             raise CheckpointError(
-                f"checkpoint '{folder}' is damaged: cannot read '{prefix}{name}' "
+                f"checkpoint '{folder}' is damaged: cannot read '{key}' "
                 f"({one_line(e)}); export another checkpoint of the run"
             ) from e
         return tensor
@@ -118,7 +122,7 @@ def export_checkpoint(
     write_hf_folder(
         out,
         args,
-        load,
+        load if conversion is None else conversion.exported(load),
         hf=hf,
         tokenizer_path=saved.tokenizer_path,
         dtype=dtype,
@@ -126,6 +130,28 @@ def export_checkpoint(
         overwrite=overwrite,
     )
     return folder, dtype
+
+
+def _stored(
+    saved: SavedCheckpoint, weights: str, conversion: Conversion | None
+) -> tuple[dict[str, TensorStorageMetadata], dict[str, tuple[str, TensorStorageMetadata]]]:
+    """The stored base tensors of ``weights``, by name, and the DCP key and metadata of every
+    tensor the export reads (the added ones of ``conversion`` too)."""
+    prefix, stored = WEIGHTS[weights], saved.tensors(weights)
+    added = {} if conversion is None else conversion.added
+    if missing := [name for name in added if name not in stored]:
+        raise CheckpointError(
+            f"checkpoint '{saved.folder}' lacks '{prefix}{missing[0]}', which plugin "
+            f"'{added[missing[0]].plugin}' adds: export a checkpoint of its run"
+        )
+    keys = {name: (prefix + name, md) for name, md in stored.items()}
+    base = {name: md for name, md in stored.items() if name not in added}
+    if conversion is not None and weights != "model":
+        # A weight set of trainable parameters (ema's) takes the frozen ones from the model's.
+        for name, md in saved.tensors("model").items():
+            if name in conversion.frozen and name not in base:
+                base[name], keys[name] = md, (WEIGHTS["model"] + name, md)
+    return base, keys
 
 
 def _write(f: Any, data: Any) -> None:

@@ -44,6 +44,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -59,7 +60,7 @@ from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.saved import CheckpointFolder, locate_checkpoint
 from plugtrain.config import CheckpointConfig
 from plugtrain.errors import CheckpointError, one_line
-from plugtrain.model import HFAdapter, hf_model_spec
+from plugtrain.model import HFAdapter, conversion_of, hf_model_spec
 
 logger = logging.getLogger("plugtrain")
 
@@ -137,7 +138,14 @@ class InitialLoad:
     def check(self, model: nn.Module, args: Any, tokenizer: str) -> None:
         """Refuse, in one line, a source that does not fit ``model`` (of shape ``args``; its
         vocabulary is tokenizer ``tokenizer``'s): before anything is read."""
-        wanted = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+        added = conversion_of(model).added
+        if added and not self.model_only:
+            raise CheckpointError(
+                f"{_KEY} '{self.path}' would bring AdamW's state, but plugin "
+                f"'{next(iter(added.values())).plugin}' adds parameters it has none for: set "
+                "checkpoint.initial_load_model_only = true"
+            )
+        wanted = {k: tuple(v.shape) for k, v in _base_state(model).items()}
         if self.kind == "hf":
             self._check_hf(args)
             stored = {self._hf_name(k, args): k for k in wanted}
@@ -145,6 +153,7 @@ class InitialLoad:
         else:
             have = {k.removeprefix("model."): v for k, v in self.shapes.items()
                     if k.startswith("model.")}  # fmt: skip
+            have = {k: v for k, v in have.items() if k not in added}
         embedding = "tok_embeddings.weight"
         if embedding in have and have[embedding][:1] != wanted[embedding][:1]:
             if self.kind == "hf":
@@ -226,7 +235,7 @@ class InitialLoad:
 
     @torch.no_grad()
     def _load_hf(self, model: nn.Module, args: Any) -> None:
-        for name, value in get_model_state_dict(model).items():
+        for name, value in _base_state(model).items():
             hf_name = self._hf_name(name, args)
             # Which stored row each of ours is: the q/k permutation, applied to row numbers.
             rows = torch.arange(value.shape[0]).unsqueeze(1)
@@ -256,7 +265,7 @@ class InitialLoad:
     def _load_plugtrain(self, model: nn.Module, optimizer: Optimizer | None) -> None:
         assert self.metadata is not None and self.source is not None
         if self.model_only:
-            state: dict[str, Any] = {"model": get_model_state_dict(model)}
+            state: dict[str, Any] = {"model": _base_state(model)}
         else:
             assert optimizer is not None
             model_state, optim_state = get_state_dict(model, optimizer)
@@ -277,7 +286,8 @@ class InitialLoad:
         except (Exception, dcp.CheckpointException) as e:
             raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
         if self.model_only:
-            set_model_state_dict(model, state["model"])
+            # Not strict: the parameters a plugin added keep their init.
+            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         else:
             set_state_dict(
                 model,
@@ -286,6 +296,12 @@ class InitialLoad:
                 # This run's param groups: its learning rate, betas and weight decay.
                 optim_state_dict={**optim_state, "state": state["optimizer"]["state"]},
             )
+
+
+def _base_state(model: nn.Module) -> dict[str, Any]:
+    """``model``'s state dict without the parameters a plugin added (``convert_model``): what
+    an initial load reads; the added ones keep the init they were given."""
+    return conversion_of(model).base_state(get_model_state_dict(model))
 
 
 # ---------------------------------------------------------------------- opening a source

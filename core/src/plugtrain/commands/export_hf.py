@@ -43,8 +43,11 @@ def run(args: argparse.Namespace) -> int:
     """Export the checkpoint and say what it wrote."""
     import torch  # here: the parser, for --help, needs none of it
 
-    from plugtrain.checkpoint import export_checkpoint, parse_size
+    from plugtrain.checkpoint import export_checkpoint, open_checkpoint, parse_size
+    from plugtrain.training import saved_conversion
 
+    # The export rules of parameters a plugin added: its run's plugins convert the model again.
+    conversion = saved_conversion(open_checkpoint(args.path, args.tokenizer), args.weights)
     folder, dtype = export_checkpoint(
         args.path,
         args.output,
@@ -53,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
         tokenizer=args.tokenizer,
+        conversion=conversion,
     )
     kept = " (the checkpoint's)" if args.dtype == "auto" else ""
     name = str(dtype).removeprefix("torch.")

@@ -3,6 +3,12 @@
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from plugtrain.model.conversion import Conversion as Conversion
+    from plugtrain.model.conversion import ExportRule as ExportRule
+    from plugtrain.model.conversion import MergeInto as MergeInto
+    from plugtrain.model.conversion import ShardLike as ShardLike
+    from plugtrain.model.conversion import TensorParallelStyle as TensorParallelStyle
+    from plugtrain.model.conversion import conversion_of as conversion_of
     from plugtrain.model.decoding import TextTokenizer as TextTokenizer
     from plugtrain.model.decoding import complete as complete
     from plugtrain.model.decoding import generate as generate

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["Fill", "init_normal", "init_ones", "init_trunc_normal", "initialize"]
+__all__ = ["Fill", "fill_parameter", "init_normal", "init_ones", "init_trunc_normal", "initialize"]
 
 Fill = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 """Fills a float32 CPU tensor in place from a generator and returns it (see init_weights)."""
@@ -57,18 +57,25 @@ def initialize(model: nn.Module, plan: list[tuple[nn.Parameter, Fill]], seed: in
     if missing or len(planned) != len(plan):
         raise RuntimeError(f"init_plan does not cover each parameter exactly once: {missing}")
     for index, (param, fill) in enumerate(plan):
-        if param.is_meta:
-            raise RuntimeError(
-                "init_weights called on meta parameters; materialise them first with "
-                "model.to_empty(device=...)"
-            )
-        generator = torch.Generator().manual_seed(_param_seed(seed, index))
-        full = fill(torch.empty(param.shape, dtype=torch.float32), generator)
-        if isinstance(param, DTensor):
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(full)
+        fill_parameter(param, fill, seed, index)
+
+
+@torch.no_grad()
+def fill_parameter(param: nn.Parameter, fill: Fill, seed: int, index: int) -> None:
+    """Fill ``param`` (plain or a DTensor) as :func:`initialize` fills the parameter at
+    ``index`` of its plan: its full tensor, drawn on the CPU, then this rank's shard."""
+    if param.is_meta:
+        raise RuntimeError(
+            "init_weights called on meta parameters; materialise them first with "
+            "model.to_empty(device=...)"
+        )
+    generator = torch.Generator().manual_seed(_param_seed(seed, index))
+    full = fill(torch.empty(param.shape, dtype=torch.float32), generator)
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
 
 
 def _param_seed(seed: int, index: int) -> int:

@@ -10,7 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from plugtrain.model.init import initialize
+from plugtrain.model.conversion import conversion_of
+from plugtrain.model.init import fill_parameter, initialize
 from plugtrain.model.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,19 +95,30 @@ def build_model(
     and initialise it (its init plan).
 
     ``transform`` (the plugins' model hooks) sees the unsharded model on the meta device and
-    changes it in place. No rank ever holds the full model, and ``init_weights`` gives the same
-    weights whatever the world size. ``init_weights=False`` leaves the parameters uninitialised
-    (empty memory) for a caller that loads them (the initial load).
+    changes it in place; the parameters a plugin added there (``model/conversion.py``) are
+    placed by their own tensor-parallel styles and initialised by their own fills, after
+    the model's own, also when ``init_weights`` is False. No rank ever holds the full model,
+    and ``init_weights`` gives the same weights whatever the world size. ``init_weights=False``
+    leaves the model's own parameters uninitialised (empty memory) for a caller that loads
+    them (the initial load).
     """
     with torch.device("meta"):
         model = spec.build(args)
     if transform is not None:
         transform(model)
+    conversion = conversion_of(model)
     if tp_mesh is not None:
-        spec.parallelize(model, tp_mesh)
+        with conversion.tensor_parallel(model, tp_mesh):
+            spec.parallelize(model, tp_mesh)
     shard_model(model, mesh, param_dtype, reduce_dtype)
     model.to_empty(device=device)
+    # The parameters a plugin added come after the family's own, whose draws they leave as
+    # they are without the plugin.
+    plan, added = spec.init_plan(model), conversion.init_plan(model)
     if init_weights:
-        initialize(model, spec.init_plan(model), seed)
+        initialize(model, [*plan, *added], seed)
+    else:  # the loaded weights have no place for the added ones: drawn as initialize would
+        for index, (param, fill) in enumerate(added, start=len(plan)):
+            fill_parameter(param, fill, seed, index)
     model.init_buffers()
     return model

@@ -21,6 +21,7 @@ from torch import nn
 
 from plugtrain import sample
 from plugtrain.plugin import (
+    ConvertContext,
     LossContext,
     ModelContext,
     OptimizerContext,
@@ -175,6 +176,11 @@ class HookLog:
     def skipped_steps(self) -> list[int]:
         """The steps a veto skipped (this reads the flags from the device)."""
         return [step for step, flag in self._skipped if flag is not None and bool(flag)]
+
+    @hookimpl(wrapper=True)
+    def convert_model(self, ctx: ConvertContext) -> Iterator[None]:
+        self._log("convert_model")
+        return (yield)
 
     @hookimpl(wrapper=True)
     def wrap_model(self, ctx: ModelContext) -> Iterator[None]:

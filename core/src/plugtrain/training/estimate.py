@@ -10,15 +10,19 @@ line.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from plugtrain import sample
 from plugtrain.config import JobConfig
 from plugtrain.data import Tokenizer
 from plugtrain.distributed import parallel_dims
 from plugtrain.errors import ConfigError
-from plugtrain.model import Checkpointing, MemoryEstimate, model_spec
+from plugtrain.model import Checkpointing, MemoryEstimate, conversion_of, model_spec
 
-__all__ = ["checkpointing_of", "estimate_run"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["checkpointing_of", "converted_estimate", "estimate_run"]
 
 CHECKPOINTING_PLUGIN = "activation_checkpointing"
 """The plugin whose config section says what activation checkpointing a run does."""
@@ -40,11 +44,33 @@ def checkpointing_of(config: JobConfig) -> Checkpointing:
     return Checkpointing("layer", section.every)
 
 
+def converted_estimate(estimate: MemoryEstimate, model: nn.Module) -> MemoryEstimate:
+    """``estimate`` (the family's formula, for its own parameters) for ``model`` as plugins
+    converted it: parameters for all of them, gradients and AdamW's moments for the trainable
+    ones only (full sizes, however ``model`` is sharded)."""
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    base = total - sum(params[name].numel() for name in conversion_of(model).added)
+    trained = sum(p.numel() for p in params.values() if p.requires_grad)
+    counts = {"parameters": total, "gradients": trained, "optimizer": trained}
+    parts = tuple(
+        (name, size * counts[name] // base if name in counts else size, what)
+        for name, size, what in estimate.parts
+    )
+    return dataclasses.replace(estimate, parts=parts)
+
+
 def estimate_run(
-    config: JobConfig, world_size: int, vocab_size: int | None = None
+    config: JobConfig,
+    world_size: int,
+    vocab_size: int | None = None,
+    model: nn.Module | None = None,
 ) -> MemoryEstimate:
     """The memory formula of ``config``'s model family (``ModelSpec.memory``) for ``config``
     on ``world_size`` processes.
+
+    ``model``, the run's (meta-device or built) after ``convert_model``, gives the parameters
+    a plugin added or froze: gradients and optimizer states count the trainable ones only.
 
     ``vocab_size`` is the tokenizer's; by default it is read from ``model.tokenizer_path``, or,
     where that file does not exist, the flavor's is used (and the estimate says so). With flavor
@@ -81,5 +107,7 @@ def estimate_run(
         tp=dims.tp,
         loss_chunks=config.model.loss_chunks,
     )
+    if model is not None:
+        estimate = converted_estimate(estimate, model)
     setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"
     return dataclasses.replace(estimate, setting=setting)

@@ -27,7 +27,8 @@ from plugtrain.errors import ConfigError, PluginError
 def build_optimizer(
     model: nn.Module, cfg: OptimizerConfig, device: torch.device
 ) -> torch.optim.AdamW:
-    """Fused AdamW over every parameter of ``model``, on every device.
+    """Fused AdamW over every trainable parameter of ``model`` (not the frozen), on every
+    device.
 
     Fused, because its kernel takes the step's skip flag (``found_inf``) on the device, and it
     is the fastest AdamW on CPU too. The learning rate is a float32 tensor on ``device``, which
@@ -35,14 +36,16 @@ def build_optimizer(
     second group, without weight decay; a name part that matches no parameter is a
     :class:`ConfigError`.
     """
-    params: list[Any] = list(model.parameters())
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params: list[Any] = [p for _, p in named]
     if cfg.no_decay:
-        named = list(model.named_parameters())
+        # Against every name, frozen ones too: the key is right whatever a plugin freezes.
+        every = [name for name, _ in model.named_parameters()]
         for part in cfg.no_decay:
-            if not any(part in name for name, _ in named):
+            if not any(part in name for name in every):
                 raise ConfigError(
                     f"config key 'optimizer.no_decay' names '{part}', which is in no "
-                    f"parameter's name (they look like '{named[-1][0]}'): fix or remove it"
+                    f"parameter's name (they look like '{every[-1]}'): fix or remove it"
                 )
         exempt = [any(part in name for part in cfg.no_decay) for name, _ in named]
         params = [
@@ -68,8 +71,8 @@ def plugin_optimizer(
 ) -> tuple[str, Optimizer] | None:
     """The plugin and optimizer of ``build_optimizer``'s ``answers`` (by plugin name), checked
     against the hook's contract; None if no plugin answered. Two answers, an optimizer that
-    does not hold each of ``params`` once, or a group whose ``lr`` is not a 0-d float tensor on
-    ``device`` are each a :class:`PluginError`."""
+    does not hold each of ``params`` (the trainable parameters) once, or a group whose ``lr``
+    is not a 0-d float tensor on ``device`` are each a :class:`PluginError`."""
     if len(answers) > 1:
         names = " and ".join(f"'{name}'" for name in answers)
         raise PluginError(f"plugins {names} both build the optimizer: enable only one of them")
@@ -85,7 +88,8 @@ def plugin_optimizer(
     if sorted(held) != sorted(id(p) for p in params):
         raise PluginError(
             f"plugin '{name}': its optimizer holds {len(held)} parameter tensors where the model "
-            f"has {len(params)}: it must hold each of ctx.named_parameters exactly once"
+            f"trains {len(params)}: it must hold each of ctx.named_parameters (the trainable "
+            "ones) exactly once"
         )
     for i, group in enumerate(optimizer.param_groups):
         lr = group.get("lr")

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
 from plugtrain.config import JobConfig
 from plugtrain.data import MixtureDataset, PackedDataset
@@ -71,8 +72,9 @@ class RunLog:
             step,
         )
 
-    def start(self, optimizer: torch.optim.Optimizer, builder: str) -> None:
-        """Say what the run trains, its memory estimate and its ``optimizer`` (who built it)."""
+    def start(self, model: nn.Module, optimizer: torch.optim.Optimizer, builder: str) -> None:
+        """Say what the run trains, the memory estimate of ``model`` (its trainable parameters)
+        and its ``optimizer`` (who built it)."""
         cfg, dims = self.config, self.dims
         logger.info(
             "training %s (%.1fM parameters) for %d steps on %d %s process(es), %s compute",
@@ -83,7 +85,7 @@ class RunLog:
             dims.device.type,
             cfg.training.mixed_precision_param,
         )
-        estimate = estimate_run(cfg, dims.world_size, self.model_args.vocab_size)
+        estimate = estimate_run(cfg, dims.world_size, self.model_args.vocab_size, model=model)
         logger.info("memory estimate per process: %s", estimate.summary())
         logger.info("optimizer (%s): %s", builder, describe_param_groups(optimizer))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -32,7 +33,7 @@ from plugtrain.config import JobConfig
 from plugtrain.data import MicroBatch, Tokenizer
 from plugtrain.distributed import ParallelDims, init_parallel_dims
 from plugtrain.host import PluginHost
-from plugtrain.model import DTYPES, build_model, model_spec, replica_sync
+from plugtrain.model import DTYPES, build_model, conversion_of, model_spec, replica_sync
 from plugtrain.observability import (
     HookTracer,
     MetricsLogger,
@@ -49,6 +50,7 @@ from plugtrain.plugin import (
     StepContext,
     data_parallel_group,
 )
+from plugtrain.training.conversion import fire_convert_model, trainable_parameters
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.loss import RunLoss
 from plugtrain.training.loss_terms import LossTerms
@@ -163,8 +165,8 @@ class Trainer:
             init_weights=self.initial_load is None,
             tp_mesh=self.parallel_dims.get_mesh("tp") if self.parallel_dims.tp_enabled else None,
         )
-        self.params = tuple(self.model.parameters())
-        """The parameters, in order, for the step hooks (set_state_dict loads into them)."""
+        self.params = trainable_parameters(self.model)
+        """The trainable parameters, in order, for the step hooks and the optimizer."""
         self.sync_replicas = replica_sync(self.model, self.parallel_dims.get_mesh("dp"))
         """HSDP: whether the next backward all-reduces the gradients across replicas."""
 
@@ -224,8 +226,9 @@ class Trainer:
         )
 
     def _transform_model(self, model: nn.Module) -> None:
-        """Fire the model hooks on the unsharded model, on the meta device: wrap, then compile;
-        keep the training loss function they leave (a compiler may compile it)."""
+        """Fire the model hooks on the unsharded model, on the meta device: convert, wrap,
+        then compile; keep the training loss function they leave (a compiler may compile it)."""
+        fire_convert_model(self.hook, self.config, model, self.host.name_of)
         ctx = ModelContext(
             config=self.config,
             model=model,
@@ -247,7 +250,9 @@ class Trainer:
         and who built it (the plugin's name, or ``core``)."""
         ctx = OptimizerContext(
             config=self.config,
-            named_parameters=tuple(self.model.named_parameters()),
+            named_parameters=tuple(
+                (n, p) for n, p in self.model.named_parameters() if p.requires_grad
+            ),
             optimizer_config=self.config.optimizer,
             device=self.device,
             parallel_dims=self.parallel_dims,
@@ -277,7 +282,7 @@ class Trainer:
             device=self.device,
             parallel_dims=dims,
             name_of=self.host.name_of,
-            export_hf=export_checkpoint,
+            export_hf=partial(export_checkpoint, conversion=conversion_of(self.model)),
             control=self.control,
             tokenizer=self.tokenizer,
         )
@@ -363,7 +368,7 @@ class Trainer:
         if self.step >= cfg.training.steps:
             self.log.complete(self.step)
             return
-        self.log.start(self.optimizer, self.optimizer_builder)
+        self.log.start(self.model, self.optimizer, self.optimizer_builder)
         self.model.train()
         self.stop.install()
         while self.step < cfg.training.steps:

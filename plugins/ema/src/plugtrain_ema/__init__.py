@@ -1,6 +1,7 @@
 """An exponential moving average of the weights, sharded like the model, as a plugtrain plugin.
 
-Each rank keeps an fp32 average of its own parameter shards: DTensors with the parameters'
+Each rank keeps an fp32 average of its own shards of the trainable parameters (a parameter
+frozen in ``convert_model`` never changes, so its average is itself): DTensors with the parameters'
 placements, updated in ``post_step`` from the local shards, with no collective and no host read.
 A skipped step (any plugin's device veto) leaves the average unchanged: the update's weight is
 ``where(skipped, 0, 1 - decay_t)``, computed on the device.
@@ -29,7 +30,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 from plugtrain.plugin import (
     ConfigError,
@@ -172,7 +177,8 @@ class Ema:
             logger.warning("%s: %s", self.name, idle)
         if self.config.validate:
             ctx.show_on_console(self, "validation_loss")
-        named = list(ctx.model.named_parameters())
+        # The trainable parameters: a frozen one (convert_model) is its own average.
+        named = [(name, p) for name, p in ctx.model.named_parameters() if p.requires_grad]
         self.params = tuple(p for _, p in named)
         with torch.no_grad():
             self.average = {
@@ -273,8 +279,10 @@ def load_exported(model: torch.nn.Module, folder: str | Path) -> None:
     """Load exported averaged weights (``step-<N>/<name>/``) into ``model``'s parameters.
 
     ``model`` is the same architecture, plain or sharded with FSDP2 on any number of ranks
-    (DCP reshards); call it on every rank of a distributed model.
+    (DCP reshards); call it on every rank of a distributed model. Its trainable parameters
+    are loaded: the average holds no frozen one, which the model already has.
     """
-    state = {"model": get_model_state_dict(model)}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    state = {"model": {k: v for k, v in get_model_state_dict(model).items() if k in trainable}}
     dcp.load(state, checkpoint_id=Path(folder))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))

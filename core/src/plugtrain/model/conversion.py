@@ -1,0 +1,278 @@
+"""The model's conversion record: the parameters plugins add, their rules, and those they freeze.
+
+Plugins convert the model in the ``convert_model`` hook, on the meta device, before anything
+else sees it (:class:`plugtrain.plugin.ConvertContext` calls :meth:`Conversion.add` and
+:meth:`Conversion.freeze`). The record stays on the model (:func:`conversion_of`) and each part
+of the core that handles parameters by name consults it, with no other knowledge of plugins:
+
+* the initialisation: :meth:`Conversion.init_plan` follows the model's own ``init_plan``, so
+  the base weights are drawn exactly as without the plugin and each added one from its own
+  seeded generator (in the order of the names, whatever order the plugins registered in);
+* tensor parallelism: :meth:`Conversion.tensor_parallel` keeps the added parameters out of the
+  model's plan by names and places each by its style (replicated, or sharded like a base);
+* the initial load reads the base weights only (:meth:`Conversion.base_state`): the added ones
+  keep their init;
+* the Hugging Face export applies the export rules (:meth:`Conversion.exported`): each added
+  tensor is merged into a base weight or dropped, so the folder is a plain Llama one.
+
+Base parameters are never renamed or removed: a checkpoint of a converted run holds every key
+of a plain run's, plus the added ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+from plugtrain.errors import PluginError
+from plugtrain.model.init import Fill
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "AddedParameter",
+    "Conversion",
+    "ExportRule",
+    "MergeInto",
+    "ShardLike",
+    "TensorParallelStyle",
+    "conversion_of",
+]
+
+_ATTRIBUTE = "_plugtrain_conversion"
+"""The model attribute that holds its :class:`Conversion` (FSDP2 keeps instance attributes)."""
+
+
+@dataclass(frozen=True)
+class ShardLike:
+    """Tensor-parallel style: placed as base parameter ``base`` is (its placements over the
+    ``tp`` mesh), e.g. LoRA's B of a column-wise ``wq`` (``Shard(0)``, the output rows) or its
+    A of a row-wise ``wo`` (``Shard(1)``, the input columns)."""
+
+    base: str
+
+
+@dataclass(frozen=True)
+class MergeInto:
+    """Export rule: at export, base weight ``into`` becomes ``fn(weight, added)``, where
+    ``added`` maps the full name of every added parameter to its full tensor (read on first
+    access). The added parameter itself is not written."""
+
+    into: str
+    fn: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+TensorParallelStyle = Literal["replicate"] | ShardLike | None
+"""How an added parameter is placed under tensor parallelism; None refuses ``parallelism.tp``
+above 1."""
+ExportRule = Literal["drop"] | MergeInto
+"""What the Hugging Face export does with an added parameter: drop it, or merge it."""
+
+
+@dataclass(frozen=True)
+class AddedParameter:
+    """One parameter a plugin added, with its rules."""
+
+    name: str
+    """Its full name in the model (``layers.0.attention.wq.lora_a``)."""
+    plugin: str
+    init: Fill
+    tp: TensorParallelStyle
+    export: ExportRule
+
+
+@dataclass
+class Conversion:
+    """What the plugins did to the model in ``convert_model`` (see the module docstring)."""
+
+    added: dict[str, AddedParameter] = field(default_factory=dict)
+    frozen: dict[str, str] = field(default_factory=dict)
+    """Each frozen parameter's name, with the plugin that froze it."""
+    open: bool = False
+    """Whether ``convert_model`` is firing: additions and freezes are refused otherwise."""
+
+    def _check_open(self, plugin: str, doing: str) -> None:
+        if not self.open:
+            raise PluginError(
+                f"plugin '{plugin}' calls ctx.{doing} outside convert_model: add and freeze "
+                "parameters in the convert_model hook only"
+            )
+
+    def add(
+        self,
+        model: nn.Module,
+        plugin: str,
+        module: str,
+        name: str,
+        shape: tuple[int, ...],
+        init: Fill,
+        tp: TensorParallelStyle,
+        export: ExportRule,
+    ) -> nn.Parameter:
+        """Register a new float32 parameter ``name`` on submodule ``module`` of ``model`` (on
+        the meta device) with its rules; every mistake is a one-line :class:`PluginError`."""
+        self._check_open(plugin, "add_parameter")
+        full = f"{module}.{name}" if module else name
+        try:
+            owner = model.get_submodule(module)
+        except AttributeError:
+            raise PluginError(
+                f"plugin '{plugin}' adds '{full}' to module '{module}', which the model has "
+                "not: name a module of model.named_modules()"
+            ) from None
+        if "." in name or not name or hasattr(owner, name):
+            raise PluginError(
+                f"plugin '{plugin}' adds '{full}', whose name is taken or not a plain "
+                "attribute name: choose a new name (base parameters are never replaced)"
+            )
+        base = dict(model.named_parameters())
+        if isinstance(export, MergeInto):
+            if export.into not in base or export.into in self.added:
+                raise PluginError(
+                    f"plugin '{plugin}' merges '{full}' into '{export.into}', which is no base "
+                    "parameter of the model: name one of model.named_parameters()"
+                )
+        elif export != "drop":
+            raise PluginError(
+                f"plugin '{plugin}' gives '{full}' the export rule {export!r}: give 'drop' or "
+                "MergeInto(base_name, fn)"
+            )
+        if isinstance(tp, ShardLike) and (tp.base not in base or tp.base in self.added):
+            raise PluginError(
+                f"plugin '{plugin}' shards '{full}' like '{tp.base}', which is no base "
+                "parameter of the model: name one of model.named_parameters()"
+            )
+        if tp not in (None, "replicate") and not isinstance(tp, ShardLike):
+            raise PluginError(
+                f"plugin '{plugin}' gives '{full}' the tensor-parallel style {tp!r}: give "
+                "'replicate', ShardLike(base_name) or None"
+            )
+        param = nn.Parameter(torch.empty(shape, dtype=torch.float32, device="meta"))
+        owner.register_parameter(name, param)
+        self.added[full] = AddedParameter(full, plugin, init, tp, export)
+        return param
+
+    def freeze(self, model: nn.Module, plugin: str, names: tuple[str, ...]) -> None:
+        """Set ``requires_grad`` False on the parameters ``names`` of ``model``."""
+        self._check_open(plugin, "freeze")
+        params = dict(model.named_parameters())
+        for name in names:
+            if name not in params:
+                raise PluginError(
+                    f"plugin '{plugin}' freezes '{name}', which the model has not: name one "
+                    "of model.named_parameters()"
+                )
+            params[name].requires_grad_(False)
+            self.frozen[name] = plugin
+
+    def init_plan(self, model: nn.Module) -> list[tuple[nn.Parameter, Fill]]:
+        """(parameter, fill) of every added parameter, in the order of their names: after the
+        model's own plan, which is thus drawn as in a plain run."""
+        params = dict(model.named_parameters())
+        return [(params[name], self.added[name].init) for name in sorted(self.added)]
+
+    @contextlib.contextmanager
+    def tensor_parallel(self, model: nn.Module, tp_mesh: DeviceMesh) -> Iterator[None]:
+        """Apply the model's tensor-parallel plan (the ``with`` body) without the added
+        parameters, then place each by its style (a plan by module names would shard every
+        parameter of a ``Linear`` as its weight is) and freeze again what the plan's new
+        parameters unfroze."""
+        for name, added in self.added.items():
+            if added.tp is None:
+                raise PluginError(
+                    f"plugin '{added.plugin}' added '{name}' without a tensor-parallel style, "
+                    "so parallelism.tp must be 1: set parallelism.tp = 1, or give the "
+                    "parameter tp='replicate' or ShardLike(base_name)"
+                )
+        detached = {name: _pop_parameter(model, name) for name in self.added}
+        yield
+        params = dict(model.named_parameters())
+        # The plan makes new Parameters (the sequence-parallel norms'), trainable by default.
+        for name in self.frozen:
+            if name in params:
+                params[name].requires_grad_(False)
+        for name, param in detached.items():
+            style = self.added[name].tp
+            if isinstance(style, ShardLike):
+                like = params[style.base]
+                placements = like.placements if isinstance(like, DTensor) else (Replicate(),)
+            else:
+                placements = (Replicate(),)
+            dist = distribute_tensor(param.data, tp_mesh, placements, src_data_rank=None)
+            owner, _, short = name.rpartition(".")
+            tensor = nn.Parameter(dist, requires_grad=param.requires_grad)
+            model.get_submodule(owner).register_parameter(short, tensor)
+
+    def base_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (a model state dict) without the added parameters' entries."""
+        return {k: v for k, v in state.items() if k not in self.added}
+
+    def exported(self, load: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+        """The loader of the exported base weights, from ``load`` (the full tensor of any
+        parameter, added ones included): the merges are applied, in the order of the names
+        of the added parameters that ask for them."""
+        merges: dict[str, list[MergeInto]] = {}
+        for name in sorted(self.added):
+            rule = self.added[name].export
+            if isinstance(rule, MergeInto):
+                merges.setdefault(rule.into, []).append(rule)
+
+        def exported_load(name: str) -> torch.Tensor:
+            tensor = load(name)
+            if name in merges:
+                added = _LazyTensors(tuple(self.added), load)
+                shape = tuple(tensor.shape)
+                for rule in merges[name]:
+                    tensor = rule.fn(tensor, added)
+                if tuple(tensor.shape) != shape:
+                    raise PluginError(
+                        f"the merge into '{name}' gives shape {tuple(tensor.shape)} where the "
+                        f"weight is {shape}: fix the plugin's MergeInto function"
+                    )
+            return tensor
+
+        return exported_load
+
+
+class _LazyTensors(Mapping[str, torch.Tensor]):
+    """The added parameters' full tensors, each read on first access."""
+
+    def __init__(self, names: tuple[str, ...], load: Callable[[str], torch.Tensor]) -> None:
+        self._names, self._load, self._read = names, load, {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._read:
+            self._read[name] = self._load(name)
+        return self._read[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _pop_parameter(model: nn.Module, name: str) -> nn.Parameter:
+    owner, _, short = name.rpartition(".")
+    module = model.get_submodule(owner)
+    param = module._parameters.pop(short)
+    assert param is not None
+    return param
+
+
+def conversion_of(model: nn.Module) -> Conversion:
+    """The :class:`Conversion` of ``model``: a new, empty one if no plugin has converted it."""
+    conversion = getattr(model, _ATTRIBUTE, None)
+    if conversion is None:
+        conversion = Conversion()
+        object.__setattr__(model, _ATTRIBUTE, conversion)
+    return conversion

@@ -1,0 +1,78 @@
+"""Model conversion as a run does it: firing ``convert_model``, and again for an offline export.
+
+The trainer fires the hook on the meta-device model before wrapping and parallelising it
+(:func:`fire_convert_model`); the record it leaves (``plugtrain.model.conversion``) steers the
+initialisation, tensor parallelism, initial load and export. ``plugtrain export-hf`` runs
+without the training run, so it learns the export rules of a checkpoint whose model a plugin
+converted the same way (:func:`saved_conversion`): it rebuilds the model on the meta device
+from the run's saved config, loads the plugins that config enabled and fires
+``convert_model`` again. No tensor is allocated for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+import torch
+from torch import nn
+
+from plugtrain.checkpoint import SavedCheckpoint
+from plugtrain.config import JobConfig, build_config, enabled_plugins
+from plugtrain.host import PluginHost, installed_plugins
+from plugtrain.model import Conversion, Transformer, conversion_of, parameter_shapes
+from plugtrain.plugin import ConvertContext
+
+__all__ = ["fire_convert_model", "saved_conversion", "trainable_parameters"]
+
+
+def fire_convert_model(
+    hook: pluggy.HookRelay, config: JobConfig, model: nn.Module, name_of: Callable[[object], str]
+) -> Conversion:
+    """Fire ``convert_model`` on ``model`` (on the meta device, unsharded); return its record,
+    closed to further additions and freezes."""
+    conversion = conversion_of(model)
+    ctx = ConvertContext(
+        config=config,
+        model=model,
+        blocks=tuple(model.layers),  # type: ignore[arg-type]
+        conversion=conversion,
+        name_of=name_of,
+    )
+    conversion.open = True
+    try:
+        hook.convert_model(ctx=ctx)
+    finally:
+        conversion.open = False
+    return conversion
+
+
+def trainable_parameters(model: nn.Module) -> tuple[nn.Parameter, ...]:
+    """``model``'s parameters that train (``requires_grad``), in ``model.parameters()`` order:
+    what the optimizer holds and the step hooks see."""
+    return tuple(p for p in model.parameters() if p.requires_grad)
+
+
+def saved_conversion(
+    saved: SavedCheckpoint, weights: str, host: PluginHost | None = None
+) -> Conversion | None:
+    """The conversion of the run that saved ``saved``, for its export; None when its
+    ``weights`` hold no tensor beyond the model's own (nothing to learn, no plugin loaded).
+
+    The run's saved config names its plugins and their sections: they are loaded as the run
+    loaded them (or ``host``'s are used, already registered), the model is built on the meta
+    device and ``convert_model`` fires."""
+    stored = saved.tensors(weights)
+    if set(stored) <= set(parameter_shapes(saved.args)):
+        return None
+    values: dict[str, dict[str, Any]] = {
+        k: v for k, v in saved.config.items() if isinstance(v, dict)
+    }
+    if host is None:
+        host = PluginHost()
+        host.load_enabled(enabled_plugins(values))
+    config = build_config(values, host.results("config_section"), installed_plugins())
+    with torch.device("meta"):
+        model = Transformer(saved.args)
+    return fire_convert_model(host.hook, config, model, host.name_of)

@@ -1,0 +1,359 @@
+"""The convert_model phase: a plugin adds parameters and freezes others, and every part of the
+core (init, optimizer, gradient hooks, EMA, checkpoints, initial load, export) follows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from plugtrain.checkpoint import export_checkpoint, open_checkpoint, read_metadata
+from plugtrain.errors import CheckpointError, PluginError
+from plugtrain.model import Conversion, Transformer, from_hf
+from plugtrain.plugin import (
+    ConvertContext,
+    MergeInto,
+    ShardLike,
+    StepContext,
+    full_tensor,
+    hookimpl,
+    total_norm,
+    wrap_forward,
+)
+from plugtrain.testing import (
+    interrupted_and_resumed,
+    make_trainer,
+    read_metrics,
+    run_distributed,
+)
+from plugtrain.training import estimate_run, saved_conversion
+
+TARGETS = ("layers.0.attention.wq", "layers.1.attention.wo")
+RANK, SCALE = 2, 0.5
+
+
+class Adapter:
+    """A LoRA-like adapter on two linears: ``y = W x + SCALE * B (A x)``, the base frozen.
+
+    A is drawn N(0, 0.02^2), B starts at zero (as LoRA's); exported, B @ A * SCALE is merged
+    into the linear's weight and A is dropped (B's merge reads it)."""
+
+    def __init__(self) -> None:
+        self.ctx: ConvertContext | None = None
+
+    @hookimpl
+    def convert_model(self, ctx: ConvertContext) -> None:
+        self.ctx = ctx
+        base = [name for name, _ in ctx.model.named_parameters()]
+        for module in TARGETS:
+            linear = ctx.model.get_submodule(module)
+            out_dim, in_dim = linear.weight.shape
+            a_name, b_name = f"{module}.lora_a", f"{module}.lora_b"
+            # Under tensor parallelism the factor on the split side is split like the weight:
+            # B's output rows for column-wise wq, A's input columns for row-wise wo.
+            split = ShardLike(f"{module}.weight")
+            column_wise = module.endswith("wq")
+
+            def merge(weight, added, a_name=a_name, b_name=b_name):
+                return weight + SCALE * added[b_name] @ added[a_name]
+
+            ctx.add_parameter(
+                self,
+                module,
+                "lora_a",
+                (RANK, in_dim),
+                init=lambda t, g: t.normal_(0.0, 0.02, generator=g),
+                tp="replicate" if column_wise else split,
+                export="drop",
+            )
+            ctx.add_parameter(
+                self,
+                module,
+                "lora_b",
+                (out_dim, RANK),
+                init=lambda t, g: t.zero_(),
+                tp=split if column_wise else "replicate",
+                export=MergeInto(f"{module}.weight", merge),
+            )
+
+            def adapted(forward, linear=linear):
+                def run(x):
+                    return forward(x) + SCALE * (x @ linear.lora_a.T) @ linear.lora_b.T
+
+                return run
+
+            wrap_forward(linear, adapted)
+        ctx.freeze(self, *base)
+
+
+def adapters() -> list:
+    return [("adapter", Adapter())]
+
+
+def added_names() -> list[str]:
+    return sorted(f"{m}.{p}" for m in TARGETS for p in ("lora_a", "lora_b"))
+
+
+def named(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_the_base_stays_bitwise_and_only_the_adapters_train(tmp_path):
+    plain = make_trainer(tmp_path / "plain")
+    trainer = make_trainer(tmp_path / "lora", plugins=adapters())
+    before = named(trainer.model)
+    base = named(plain.model)
+    # The base weights are drawn as in a run without the plugin.
+    assert all(torch.equal(before[name], value) for name, value in base.items())
+    assert sorted(set(before) - set(base)) == added_names()
+    trainer.run()
+    after = named(trainer.model)
+    assert all(torch.equal(after[name], before[name]) for name in base)
+    assert all(not torch.equal(after[name], before[name]) for name in added_names())
+    # The optimizer holds the adapters only: AdamW's two moments of 4 bytes each.
+    held = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    params = dict(trainer.model.named_parameters())
+    assert held == {id(params[name]) for name in added_names()}
+    trainable = sum(params[name].numel() for name in added_names())
+    moments = sum(
+        t.numel() * t.element_size()
+        for state in trainer.optimizer.state.values()
+        for key, t in state.items()
+        if key != "step"
+    )
+    assert moments == 2 * 4 * trainable
+    assert trainer.params == tuple(params[n] for n in params if n in added_names())
+
+
+class EveryParameter:
+    """Builds AdamW over the whole model, frozen parameters included: against the contract."""
+
+    @hookimpl
+    def build_optimizer(self, ctx):
+        params = [p for name, p in ctx.named_parameters]
+        frozen = [p for p in self.model.parameters() if not p.requires_grad]
+        return torch.optim.AdamW(params + frozen, lr=ctx.learning_rate(1e-3))
+
+    @hookimpl
+    def convert_model(self, ctx: ConvertContext) -> None:
+        self.model = ctx.model
+
+
+def test_muon_holds_the_trainable_parameters_and_a_plugin_optimizer_must_too(tmp_path):
+    trainer = make_trainer(tmp_path / "muon", "--plugins.enabled", "muon", plugins=adapters())
+    held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert trainer.optimizer_builder == "muon"
+    assert sorted(map(id, held)) == sorted(map(id, trainer.params)) and len(held) == 4
+    trainer.run()
+    with pytest.raises(PluginError, match=r"trains 4: it must hold each of ctx\.named_parameters"):
+        make_trainer(tmp_path / "every", plugins=[*adapters(), ("every", EveryParameter())])
+
+
+def test_the_added_parameters_init_is_seeded_and_reproducible(tmp_path):
+    one = named(make_trainer(tmp_path / "one", plugins=adapters()).model)
+    two = named(make_trainer(tmp_path / "two", plugins=adapters()).model)
+    other = named(make_trainer(tmp_path / "seed", "--training.seed", "7", plugins=adapters()).model)
+    a = "layers.0.attention.wq.lora_a"
+    assert all(torch.equal(one[name], two[name]) for name in added_names())
+    assert not torch.equal(one[a], other[a])
+    assert 0.015 < one[a].std() < 0.025
+    assert not one["layers.0.attention.wq.lora_b"].any()
+
+
+class NormProbe:
+    """Records the norm of the step hooks' gradients, before grad_clip modifies them."""
+
+    def __init__(self) -> None:
+        self.norms: list[torch.Tensor] = []
+        self.count = 0
+
+    @hookimpl
+    def observe_gradients(self, ctx: StepContext) -> None:
+        self.count = len(ctx.params)
+        assert all(p.requires_grad for p in ctx.params)
+        self.norms.append(total_norm(ctx.gradients()))
+
+
+def test_grad_clip_and_ema_cover_the_trainable_parameters(tmp_path):
+    probe = NormProbe()
+    trainer = make_trainer(
+        tmp_path,
+        "--plugins.enabled", "grad_clip,ema",
+        "--grad_clip.max_norm", "1e-4",
+        plugins=[*adapters(), ("probe", probe)],
+    )  # fmt: skip
+    trainer.run()
+    assert probe.count == len(added_names())
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_clip/grad_norm"] for r in records if "grad_clip/grad_norm" in r]
+    assert norms == pytest.approx([float(n) for n in probe.norms], rel=1e-6)
+    ema = trainer.host.get("ema")
+    assert sorted(ema.average) == added_names()
+
+
+def test_a_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path):
+    result = interrupted_and_resumed(tmp_path, steps=4, stop_after=2, plugins=adapters)
+    assert result["stopped_at"] == result["step_at_resume"] == 2
+    assert result["resumed"] == result["straight"]
+
+    def losses(records):
+        return [(r["step"], r["loss"], r["lr"]) for r in records if "loss" in r]
+
+    assert losses(result["resumed_metrics"]) == losses(result["straight_metrics"])
+
+
+def checkpoint_keys(folder) -> set[str]:
+    return set(read_metadata(folder / "checkpoints" / "step-3").state_dict_metadata)
+
+
+CHECKPOINTED = ("--checkpoint.enable", "true", "--checkpoint.interval", "3")
+
+
+def test_checkpoints_keep_the_base_keys_and_export_merges_the_adapters(tmp_path):
+    plain = make_trainer(tmp_path / "plain", *CHECKPOINTED)
+    plain.run()
+    lora = make_trainer(tmp_path / "lora", *CHECKPOINTED, plugins=adapters())
+    lora.run()
+    plain_keys, lora_keys = checkpoint_keys(tmp_path / "plain"), checkpoint_keys(tmp_path / "lora")
+    model_keys = {k for k in plain_keys if k.startswith("model.")}
+    assert {k for k in lora_keys if k.startswith("model.")} == model_keys | {
+        f"model.{n}" for n in added_names()
+    }
+    moments = {k for k in lora_keys if k.startswith("optimizer.state.")}
+    assert moments == {
+        f"optimizer.state.{n}.{s}" for n in added_names() for s in ("exp_avg", "exp_avg_sq", "step")
+    }
+
+    # Offline, as `plugtrain export-hf` does: the saved config's plugins rebuild the rules.
+    saved = open_checkpoint(tmp_path / "lora")
+    assert saved_conversion(open_checkpoint(tmp_path / "plain"), "model") is None
+    conversion = saved_conversion(saved, "model", host=lora.host)
+    assert conversion is not None and sorted(conversion.added) == added_names()
+    export_checkpoint(tmp_path / "lora", tmp_path / "hf", conversion=conversion)
+    export_checkpoint(tmp_path / "plain", tmp_path / "hf-plain")
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    with safe_open(tmp_path / "hf-plain" / "model.safetensors", framework="pt") as f:
+        assert sorted(tensors) == sorted(f.keys())  # the adapters are dropped
+    params = dict(lora.model.named_parameters())
+    for module in TARGETS:
+        w, a, b = (params[f"{module}.{p}"].detach() for p in ("weight", "lora_a", "lora_b"))
+        assert b.abs().max() > 0  # trained: the merge is not a no-op
+        hf_name = "model.layers.{}.self_attn.{}.weight".format(
+            module.split(".")[1], {"wq": "q_proj", "wo": "o_proj"}[module.rsplit(".", 1)[1]]
+        )
+        ours = from_hf(hf_name, tensors[hf_name], lora.model_args)[1]
+        torch.testing.assert_close(ours, w + b @ a * SCALE, rtol=0, atol=1e-6)
+
+    # The merged folder, loaded into a plain model, gives the adapted model's logits.
+    merged = make_trainer(
+        tmp_path / "merged", "--checkpoint.initial_load_path", str(tmp_path / "hf")
+    )
+    tokens = torch.randint(0, lora.model_args.vocab_size, (2, 16), generator=torch.Generator())
+    with torch.no_grad():
+        torch.testing.assert_close(merged.model(tokens), lora.model(tokens), rtol=0, atol=1e-5)
+
+
+def test_an_initial_load_fills_the_base_and_the_adapters_keep_their_init(tmp_path):
+    plain = make_trainer(tmp_path / "plain", *CHECKPOINTED)
+    plain.run()
+    fresh = named(make_trainer(tmp_path / "fresh", plugins=adapters()).model)
+    source = str(tmp_path / "plain" / "checkpoints" / "step-3")
+    loaded = make_trainer(
+        tmp_path / "loaded", "--checkpoint.initial_load_path", source, plugins=adapters()
+    )
+    got, trained = named(loaded.model), named(plain.model)
+    assert all(torch.equal(got[name], value) for name, value in trained.items())
+    assert all(torch.equal(got[name], fresh[name]) for name in added_names())
+    with pytest.raises(CheckpointError, match="initial_load_model_only = true"):
+        make_trainer(
+            tmp_path / "state",
+            "--checkpoint.initial_load_path", source,
+            "--checkpoint.initial_load_model_only", "false",
+            plugins=adapters(),
+        )  # fmt: skip
+
+
+def test_the_memory_estimate_counts_gradients_and_moments_of_trainable_parameters(tmp_path):
+    trainer = make_trainer(tmp_path, plugins=adapters())
+    full = estimate_run(trainer.config, 1)
+    converted = estimate_run(trainer.config, 1, model=trainer.model)
+    parts = {name: size for name, size, _ in converted.parts}
+    trainable = sum(p.numel() for p in trainer.params)
+    total = sum(p.numel() for p in trainer.model.parameters())
+    assert parts["gradients"] == 4 * trainable and parts["optimizer"] == 8 * trainable
+    assert parts["parameters"] == 4 * total > dict((n, s) for n, s, _ in full.parts)["parameters"]
+
+
+class Late(Adapter):
+    """Keeps the context and adds a parameter after the hook."""
+
+
+class BadTarget:
+    @hookimpl
+    def convert_model(self, ctx: ConvertContext) -> None:
+        ctx.add_parameter(
+            self,
+            "layers.0.attention.wq",
+            "extra",
+            (2, 2),
+            init=lambda t, g: t.zero_(),
+            tp=None,
+            export=MergeInto("layers.0.attention.nothing", lambda w, added: w),
+        )
+
+
+def test_one_line_refusals(tmp_path):
+    late = Late()
+    make_trainer(tmp_path / "late", plugins=[("late", late)])
+    assert late.ctx is not None
+    with pytest.raises(PluginError, match="outside convert_model") as e:
+        late.ctx.add_parameter(late, "norm", "x", (1,), init=lambda t, g: t, tp=None, export="drop")
+    assert "\n" not in str(e.value)
+    with pytest.raises(PluginError, match="no base parameter") as e:
+        make_trainer(tmp_path / "bad", plugins=[("bad", BadTarget())])
+    assert "\n" not in str(e.value)
+    # A parameter without a tensor-parallel style refuses parallelism.tp above 1.
+    args = make_trainer(tmp_path / "args").model_args
+    with torch.device("meta"):
+        model = Transformer(args)
+    conversion = Conversion(open=True)
+    conversion.add(model, "p", "norm", "x", (1,), lambda t, g: t, None, "drop")
+    refused = pytest.raises(PluginError, match=r"set parallelism\.tp = 1")
+    with refused as e, conversion.tensor_parallel(model, None):  # type: ignore[arg-type]
+        pass
+    assert "\n" not in str(e.value)
+
+
+def tensor_parallel_run(root: str) -> dict:
+    """Run on each of 2 ranks: the adapted model under tp 2; its losses and adapter placements."""
+    trainer = make_trainer(Path(root), "--parallelism.tp", "2", steps=4, plugins=adapters())
+    before = {n: full_tensor(p).clone() for n, p in trainer.model.named_parameters()}
+    trainer.run()
+    params = dict(trainer.model.named_parameters())
+    return {
+        "placements": {n: str(params[n].placements) for n in added_names()},
+        "base_unchanged": all(
+            torch.equal(full_tensor(params[n]), before[n]) for n in before if "lora" not in n
+        ),
+        "losses": [r["loss"] for r in read_metrics(root) if "loss" in r],
+    }
+
+
+@pytest.mark.slow
+def test_adapters_under_tensor_parallelism_train_as_one_process(tmp_path):
+    one = make_trainer(tmp_path / "one", steps=4, plugins=adapters())
+    one.run()
+    expected = [r["loss"] for r in read_metrics(tmp_path / "one") if "loss" in r]
+    ranks = run_distributed(tensor_parallel_run, 2, str(tmp_path / "tp"))
+    assert ranks[0]["losses"] == pytest.approx(expected, rel=1e-5)
+    assert all(rank["base_unchanged"] for rank in ranks)
+    placements = ranks[0]["placements"]
+    # Column-wise wq: B split by its output rows, A whole; row-wise wo: A split by its inputs.
+    assert placements["layers.0.attention.wq.lora_b"] == "(Shard(dim=0),)"
+    assert placements["layers.0.attention.wq.lora_a"] == "(Replicate(),)"
+    assert placements["layers.1.attention.wo.lora_a"] == "(Shard(dim=1),)"
+    assert placements["layers.1.attention.wo.lora_b"] == "(Replicate(),)"
