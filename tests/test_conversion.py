@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from plugtrain.checkpoint import export_checkpoint, open_checkpoint, read_metadata
-from plugtrain.errors import CheckpointError, PluginError
+from plugtrain.errors import CheckpointError, PluginError, UserError
 from plugtrain.model import Conversion, Transformer, from_hf
 from plugtrain.plugin import (
     ConvertContext,
@@ -233,6 +233,17 @@ def test_checkpoints_keep_the_base_keys_and_export_merges_the_adapters(tmp_path)
     conversion = saved_conversion(saved, "model", host=lora.host)
     assert conversion is not None and sorted(conversion.added) == added_names()
     export_checkpoint(tmp_path / "lora", tmp_path / "hf", conversion=conversion)
+    # Its saved config enables no plugin (the adapter was registered by the test): the format
+    # has no place for the adapters. A plugin of several missing is named as such.
+    for partial, why in (
+        (saved_conversion(saved, "model"), "has no place in the Hugging Face Llama format"),
+        (saved_conversion(saved, "model", host=lora.host), "neither the model nor a plugin"),
+    ):
+        if partial is not None and partial.added:
+            del partial.added["layers.0.attention.wq.lora_a"]
+        with pytest.raises(UserError, match=why) as e:
+            export_checkpoint(tmp_path / "lora", tmp_path / "nowhere", conversion=partial)
+        assert "\n" not in str(e.value) and not (tmp_path / "nowhere").exists()
     export_checkpoint(tmp_path / "plain", tmp_path / "hf-plain")
     with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
         tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
@@ -255,6 +266,27 @@ def test_checkpoints_keep_the_base_keys_and_export_merges_the_adapters(tmp_path)
     tokens = torch.randint(0, lora.model_args.vocab_size, (2, 16), generator=torch.Generator())
     with torch.no_grad():
         torch.testing.assert_close(merged.model(tokens), lora.model(tokens), rtol=0, atol=1e-5)
+
+
+def test_the_ema_export_takes_the_frozen_weights_from_the_model(tmp_path):
+    ema = ("--plugins.enabled", "ema", "--ema.decay", "0.5")
+    trainer = make_trainer(tmp_path / "run", *CHECKPOINTED, *ema, plugins=adapters())
+    trainer.run()
+    average = trainer.host.get("ema").average
+    conversion = saved_conversion(open_checkpoint(tmp_path / "run"), "ema", host=trainer.host)
+    export_checkpoint(tmp_path / "run", tmp_path / "hf", weights="ema", conversion=conversion)
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        norm, wo = (
+            f.get_tensor("model.norm.weight"),
+            f.get_tensor("model.layers.1.self_attn.o_proj.weight"),
+        )
+    params = dict(trainer.model.named_parameters())
+    assert torch.equal(norm, params["norm.weight"].detach())  # frozen: the model's own
+    module = "layers.1.attention.wo"
+    merged = params[f"{module}.weight"].detach() + SCALE * (
+        average[f"{module}.lora_b"] @ average[f"{module}.lora_a"]
+    )
+    torch.testing.assert_close(wo, merged, rtol=0, atol=1e-6)  # the averaged adapters
 
 
 def test_an_initial_load_fills_the_base_and_the_adapters_keep_their_init(tmp_path):

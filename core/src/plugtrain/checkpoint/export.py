@@ -144,6 +144,15 @@ def _stored(
             f"checkpoint '{saved.folder}' lacks '{prefix}{missing[0]}', which plugin "
             f"'{added[missing[0]].plugin}' adds: export a checkpoint of its run"
         )
+    shapes = saved.spec.hf.parameter_shapes(saved.args)
+    # A converted run's tensor that none of its plugins adds (one plugin of several not
+    # enabled where the export runs); without any, the format's own refusal names it.
+    if added and (unknown := [n for n in stored if n not in added and n not in shapes]):
+        raise CheckpointError(
+            f"checkpoint '{saved.folder}' holds '{prefix}{unknown[0]}', which neither the model "
+            "nor a plugin its run's config enables adds: export where the plugin that added it "
+            "is installed and enabled in that run's plugins.enabled"
+        )
     keys = {name: (prefix + name, md) for name, md in stored.items()}
     base = {name: md for name, md in stored.items() if name not in added}
     if conversion is not None and weights != "model":
