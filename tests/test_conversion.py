@@ -318,6 +318,8 @@ def test_the_memory_estimate_counts_gradients_and_moments_of_trainable_parameter
     total = sum(p.numel() for p in trainer.model.parameters())
     assert parts["gradients"] == 4 * trainable and parts["optimizer"] == 8 * trainable
     assert parts["parameters"] == 4 * total > dict((n, s) for n, s, _ in full.parts)["parameters"]
+    # `plugtrain estimate` has no model: the run's plugins convert one on the meta device.
+    assert estimate_run(trainer.config, 1, host=trainer.host).parts == converted.parts
 
 
 class Late(Adapter):

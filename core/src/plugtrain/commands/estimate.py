@@ -40,5 +40,5 @@ def run(args: argparse.Namespace) -> int:
     tp = [] if args.tp is None else ["--parallelism.tp", str(args.tp)]
     configured = configure(["--config", args.config, *tp, *args.config_args])
     assert configured is not None  # no --help among the overrides: argparse took it
-    print(estimate_run(configured[0], args.gpus).table())
+    print(estimate_run(configured[0], args.gpus, host=configured[1]).table())
     return 0

@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from plugtrain.training.conversion import converted_model as converted_model
     from plugtrain.training.conversion import fire_convert_model as fire_convert_model
     from plugtrain.training.conversion import saved_conversion as saved_conversion
     from plugtrain.training.conversion import trainable_parameters as trainable_parameters

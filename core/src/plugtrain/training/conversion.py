@@ -21,10 +21,10 @@ from torch import nn
 from plugtrain.checkpoint import SavedCheckpoint
 from plugtrain.config import JobConfig, build_config, enabled_plugins
 from plugtrain.host import PluginHost, installed_plugins
-from plugtrain.model import Conversion, Transformer, conversion_of, parameter_shapes
+from plugtrain.model import Conversion, conversion_of, model_spec
 from plugtrain.plugin import ConvertContext
 
-__all__ = ["fire_convert_model", "saved_conversion", "trainable_parameters"]
+__all__ = ["converted_model", "fire_convert_model", "saved_conversion", "trainable_parameters"]
 
 
 def fire_convert_model(
@@ -64,7 +64,7 @@ def saved_conversion(
     loaded them (or ``host``'s are used, already registered), the model is built on the meta
     device and ``convert_model`` fires."""
     stored = saved.tensors(weights)
-    if set(stored) <= set(parameter_shapes(saved.args)):
+    if set(stored) <= set(saved.spec.hf.parameter_shapes(saved.args)):
         return None
     values: dict[str, dict[str, Any]] = {
         k: v for k, v in saved.config.items() if isinstance(v, dict)
@@ -73,6 +73,15 @@ def saved_conversion(
         host = PluginHost()
         host.load_enabled(enabled_plugins(values))
     config = build_config(values, host.results("config_section"), installed_plugins())
+    return conversion_of(converted_model(config, host, saved.args))
+
+
+def converted_model(config: JobConfig, host: PluginHost, args: Any) -> nn.Module:
+    """The model of shape ``args`` (its family's, ``model.family``) on the meta device (no
+    storage), converted by ``host``'s plugins as a run of ``config`` converts it: for what
+    needs its parameters' shapes and rules without training (the export's rules, the memory
+    estimate's counts)."""
     with torch.device("meta"):
-        model = Transformer(saved.args)
-    return fire_convert_model(host.hook, config, model, host.name_of)
+        model = model_spec(config.model.family).build(args)
+    fire_convert_model(host.hook, config, model, host.name_of)
+    return model

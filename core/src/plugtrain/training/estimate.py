@@ -18,9 +18,12 @@ from plugtrain.data import Tokenizer
 from plugtrain.distributed import parallel_dims
 from plugtrain.errors import ConfigError
 from plugtrain.model import Checkpointing, MemoryEstimate, conversion_of, model_spec
+from plugtrain.training.conversion import converted_model
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from plugtrain.host import PluginHost
 
 __all__ = ["checkpointing_of", "converted_estimate", "estimate_run"]
 
@@ -65,12 +68,14 @@ def estimate_run(
     world_size: int,
     vocab_size: int | None = None,
     model: nn.Module | None = None,
+    host: PluginHost | None = None,
 ) -> MemoryEstimate:
     """The memory formula of ``config``'s model family (``ModelSpec.memory``) for ``config``
     on ``world_size`` processes.
 
     ``model``, the run's (meta-device or built) after ``convert_model``, gives the parameters
     a plugin added or froze: gradients and optimizer states count the trainable ones only.
+    Without it, ``host``'s plugins convert a meta-device model (``plugtrain estimate``).
 
     ``vocab_size`` is the tokenizer's; by default it is read from ``model.tokenizer_path``, or,
     where that file does not exist, the flavor's is used (and the estimate says so). With flavor
@@ -95,6 +100,8 @@ def estimate_run(
     spec = model_spec(config.model.family)
     args = config.model.model_args(vocab_size, train.seq_len)
     spec.check_parallel(args, dims.tp, train.seq_len)
+    if model is None and host is not None and host.implementers("convert_model"):
+        model = converted_model(config, host, args)
     estimate = spec.memory(
         args,
         world_size=world_size,
