@@ -343,7 +343,7 @@ class BadTarget:
 def test_one_line_refusals(tmp_path):
     late = Late()
     make_trainer(tmp_path / "late", plugins=[("late", late)])
-    assert late.ctx is not None
+    assert late.ctx is not None and late.ctx.parallel_dims.world_size == 1
     with pytest.raises(PluginError, match="outside convert_model") as e:
         late.ctx.add_parameter(late, "norm", "x", (1,), init=lambda t, g: t, tp=None, export="drop")
     assert "\n" not in str(e.value)

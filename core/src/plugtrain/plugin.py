@@ -108,6 +108,10 @@ class ConvertContext:
     """The :class:`~plugtrain.model.transformer.Transformer`, on the meta device, unsharded."""
     blocks: tuple[nn.Module, ...]
     """The transformer blocks, ``model.layers`` in order."""
+    parallel_dims: ParallelDims
+    """The job's parallel dimensions (:class:`ParallelDims`), as the model hooks get them; the
+    parallelisation comes after this hook. ``plugtrain export-hf`` fires it again in one
+    process (``ParallelDims()``): what a plugin adds must not depend on the degrees."""
     conversion: Conversion = field(repr=False)
     """The model's conversion record (``plugtrain.model.conversion``), which the core's
     initialisation, tensor parallelism, initial load and export consult."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from plugtrain.checkpoint import SavedCheckpoint
 from plugtrain.config import JobConfig, build_config, enabled_plugins
+from plugtrain.distributed import ParallelDims
 from plugtrain.host import PluginHost, installed_plugins
 from plugtrain.model import Conversion, conversion_of, model_spec
 from plugtrain.plugin import ConvertContext
@@ -28,15 +29,20 @@ __all__ = ["converted_model", "fire_convert_model", "saved_conversion", "trainab
 
 
 def fire_convert_model(
-    hook: pluggy.HookRelay, config: JobConfig, model: nn.Module, name_of: Callable[[object], str]
+    hook: pluggy.HookRelay,
+    config: JobConfig,
+    model: nn.Module,
+    name_of: Callable[[object], str],
+    parallel_dims: ParallelDims,
 ) -> Conversion:
-    """Fire ``convert_model`` on ``model`` (on the meta device, unsharded); return its record,
-    closed to further additions and freezes."""
+    """Fire ``convert_model`` on ``model`` (on the meta device, unsharded) of a job laid out
+    as ``parallel_dims``; return its record, closed to further additions and freezes."""
     conversion = conversion_of(model)
     ctx = ConvertContext(
         config=config,
         model=model,
         blocks=tuple(model.layers),  # type: ignore[arg-type]
+        parallel_dims=parallel_dims,
         conversion=conversion,
         name_of=name_of,
     )
@@ -83,5 +89,6 @@ def converted_model(config: JobConfig, host: PluginHost, args: Any) -> nn.Module
     estimate's counts)."""
     with torch.device("meta"):
         model = model_spec(config.model.family).build(args)
-    fire_convert_model(host.hook, config, model, host.name_of)
+    # One process: the export and the estimate need the parameters, not a job's layout.
+    fire_convert_model(host.hook, config, model, host.name_of, ParallelDims())
     return model

@@ -228,7 +228,7 @@ class Trainer:
     def _transform_model(self, model: nn.Module) -> None:
         """Fire the model hooks on the unsharded model, on the meta device: convert, wrap,
         then compile; keep the training loss function they leave (a compiler may compile it)."""
-        fire_convert_model(self.hook, self.config, model, self.host.name_of)
+        fire_convert_model(self.hook, self.config, model, self.host.name_of, self.parallel_dims)
         ctx = ModelContext(
             config=self.config,
             model=model,
