@@ -336,3 +336,41 @@ def test_the_architecture_doc_names_every_cli_sub_command():
     assert len(COMMANDS) >= 4
     row = architecture_rows()["cli.py"]
     assert sorted(c for c in COMMANDS if f"`{c}`" not in row) == []
+
+
+MAX_FUNCTION_LINES = 80
+"""The longest a core function may be, docstring included: a step, a builder or a command
+that outgrows a screen is split into named pieces."""
+MAX_TRAINER_LINES = 450
+"""The trainer is the loop (build order, schedule, checkpoints, metrics, stop); the model's
+work, the data wiring and validation live in their own modules."""
+
+
+def long_functions(root: Path, limit: int) -> list[str]:
+    """``path:line name (N lines)`` for each function under ``root`` longer than ``limit``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    where = f"{path.relative_to(root)}:{node.lineno}"
+                    found.append(f"{where} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_core_function_outgrows_a_screen():
+    assert long_functions(CORE, MAX_FUNCTION_LINES) == []
+
+
+def test_the_function_size_check_finds_a_long_function(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "m.py").write_text(f"def short():\n    pass\n\n\ndef long():\n{body}")
+    assert long_functions(tmp_path, MAX_FUNCTION_LINES) == [
+        f"m.py:5 long ({MAX_FUNCTION_LINES + 1} lines)"
+    ]
+
+
+def test_the_trainer_is_a_loop():
+    trainer = CORE / "plugtrain" / "training" / "trainer.py"
+    assert len(trainer.read_text().splitlines()) <= MAX_TRAINER_LINES
