@@ -6,7 +6,9 @@ if TYPE_CHECKING:
     from plugtrain.training.conversion import converted_model as converted_model
     from plugtrain.training.conversion import fire_convert_model as fire_convert_model
     from plugtrain.training.conversion import saved_conversion as saved_conversion
-    from plugtrain.training.conversion import trainable_parameters as trainable_parameters
+    from plugtrain.training.conversion import (
+        trainable_named_parameters as trainable_named_parameters,
+    )
     from plugtrain.training.estimate import estimate_run as estimate_run
     from plugtrain.training.launch import configure as configure
     from plugtrain.training.launch import ends_quietly as ends_quietly

@@ -25,7 +25,12 @@ from plugtrain.host import PluginHost, installed_plugins
 from plugtrain.model import Conversion, conversion_of, model_spec
 from plugtrain.plugin import ConvertContext
 
-__all__ = ["converted_model", "fire_convert_model", "saved_conversion", "trainable_parameters"]
+__all__ = [
+    "converted_model",
+    "fire_convert_model",
+    "saved_conversion",
+    "trainable_named_parameters",
+]
 
 
 def fire_convert_model(
@@ -54,10 +59,10 @@ def fire_convert_model(
     return conversion
 
 
-def trainable_parameters(model: nn.Module) -> tuple[nn.Parameter, ...]:
-    """``model``'s parameters that train (``requires_grad``), in ``model.parameters()`` order:
-    what the optimizer holds and the step hooks see."""
-    return tuple(p for p in model.parameters() if p.requires_grad)
+def trainable_named_parameters(model: nn.Module) -> tuple[tuple[str, nn.Parameter], ...]:
+    """``model``'s parameters that train (``requires_grad``) with their names, in
+    ``model.named_parameters()`` order: what an optimizer holds and the step hooks see."""
+    return tuple((name, p) for name, p in model.named_parameters() if p.requires_grad)
 
 
 def saved_conversion(

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from plugtrain.config import LRSchedulerConfig, OptimizerConfig
 from plugtrain.errors import ConfigError, PluginError
+from plugtrain.training.conversion import trainable_named_parameters
 
 
 def build_optimizer(
@@ -36,7 +37,7 @@ def build_optimizer(
     second group, without weight decay; a name part that matches no parameter is a
     :class:`ConfigError`.
     """
-    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    named = trainable_named_parameters(model)
     params: list[Any] = [p for _, p in named]
     if cfg.no_decay:
         # Against every name, frozen ones too: the key is right whatever a plugin freezes.

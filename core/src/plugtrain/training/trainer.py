@@ -50,7 +50,7 @@ from plugtrain.plugin import (
     StepContext,
     data_parallel_group,
 )
-from plugtrain.training.conversion import fire_convert_model, trainable_parameters
+from plugtrain.training.conversion import fire_convert_model, trainable_named_parameters
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.loss import RunLoss
 from plugtrain.training.loss_terms import LossTerms
@@ -165,7 +165,7 @@ class Trainer:
             init_weights=self.initial_load is None,
             tp_mesh=self.parallel_dims.get_mesh("tp") if self.parallel_dims.tp_enabled else None,
         )
-        self.params = trainable_parameters(self.model)
+        self.params = tuple(p for _, p in trainable_named_parameters(self.model))
         """The trainable parameters, in order, for the step hooks and the optimizer."""
         self.sync_replicas = replica_sync(self.model, self.parallel_dims.get_mesh("dp"))
         """HSDP: whether the next backward all-reduces the gradients across replicas."""
@@ -250,9 +250,7 @@ class Trainer:
         and who built it (the plugin's name, or ``core``)."""
         ctx = OptimizerContext(
             config=self.config,
-            named_parameters=tuple(
-                (n, p) for n, p in self.model.named_parameters() if p.requires_grad
-            ),
+            named_parameters=trainable_named_parameters(self.model),
             optimizer_config=self.config.optimizer,
             device=self.device,
             parallel_dims=self.parallel_dims,
