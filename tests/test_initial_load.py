@@ -276,6 +276,8 @@ def test_bad_sources_are_refused_in_one_line_before_anything_is_written(
     partial.mkdir()
     sources["no_metadata"] = ["--checkpoint.initial_load_path", str(partial)]
     sources["missing_folder"] = ["--checkpoint.initial_load_path", str(tmp_path / "nope")]
+    (tmp_path / "a_file").write_text("{}")
+    sources["a_file"] = ["--checkpoint.initial_load_path", str(tmp_path / "a_file")]
     sources["shape"] = [*sources["missing"][:0], "--checkpoint.initial_load_path",
                         str(folders["whole"]), "--model.flavor", "debug"]  # fmt: skip
     sources["vocab"] = ["--checkpoint.initial_load_path", str(folders["vocab"])]
@@ -295,7 +297,8 @@ def test_bad_sources_are_refused_in_one_line_before_anything_is_written(
         "rope_theta": f"{key} '{tmp_path / 'rope_theta'}' has rope_theta 500000.0 in its "
         "config.json, but model.flavor's model has 10000.0",
         "bias": f"{key} '{tmp_path / 'bias'}': config.json field 'attention_bias' is True",
-        "missing_folder": f"{key}: no checkpoint at '{tmp_path / 'nope'}': give a run's dump",
+        "missing_folder": f"{key} '{tmp_path / 'nope'}' does not exist: give a Hugging Face",
+        "a_file": f"{key} '{tmp_path / 'a_file'}' is a file, not a folder: give a Hugging Face",
         "shape": f"{key} '{folders['whole']}' holds another model shape: tensor "
         "'tok_embeddings.weight' is [2048, 32] there and [2048, 256] in model.flavor's model "
         "here; pick the model.flavor of its shape",

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from plugtrain.checkpoint import export_checkpoint, read_checkpoint
+from plugtrain.commands.train import train
 from plugtrain.config import JobConfig, ModelConfig
 from plugtrain.errors import ConfigError
 from plugtrain.model import (
@@ -20,7 +21,7 @@ from plugtrain.model import (
 )
 from plugtrain.model.llama.memory import _root_params
 from plugtrain.model.llama.transformer import FLAVORS, precompute_freqs_cis
-from plugtrain.testing import interrupted_and_resumed, tiny_run
+from plugtrain.testing import interrupted_and_resumed, tiny_args, tiny_run
 
 TINY = FLAVORS["tiny"]
 SCALING = RopeScaling(original_max_seq_len=16)
@@ -147,6 +148,28 @@ def test_flavor_hf_needs_a_config_json_or_an_hf_initial_load():
     with pytest.raises(ConfigError, match=r"'model\.hf_config' is empty") as e:
         JobConfig(model=ModelConfig(flavor="hf"))
     assert "checkpoint.initial_load_path" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "wrong"),
+    [
+        ("nope-hf", "does not exist"),
+        ("a_file", "is a file, not a folder"),
+        ("empty", "has no config.json"),
+        ("s3://bucket/hf", "is a URL, but flavor 'hf' reads config.json from a local folder"),
+    ],
+)
+def test_flavor_hf_names_what_is_wrong_with_the_initial_load(tmp_path, capsys, source, wrong):
+    """The folder the user named is the culprit, not the model.hf_config they left empty."""
+    (tmp_path / "a_file").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    path = source if "://" in source else str(tmp_path / source)
+    dump = tmp_path / "run"
+    argv = tiny_args(dump, "--model.flavor", "hf", "--checkpoint.initial_load_path", path)
+    assert train(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"plugtrain: error: checkpoint.initial_load_path '{path}' {wrong}: ")
+    assert "model.hf_config" in line and not dump.exists()
 
 
 @pytest.mark.slow

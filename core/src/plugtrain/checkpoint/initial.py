@@ -61,6 +61,7 @@ from plugtrain.checkpoint.saved import CheckpointFolder, locate_checkpoint
 from plugtrain.config import CheckpointConfig
 from plugtrain.errors import CheckpointError, one_line
 from plugtrain.model import HFAdapter, conversion_of, hf_model_spec
+from plugtrain.urls import is_url
 
 logger = logging.getLogger("plugtrain")
 
@@ -386,6 +387,8 @@ def open_initial_load(config: CheckpointConfig) -> InitialLoad:
     """The checked source ``checkpoint.initial_load_path`` names (headers and metadata only
     are read); a one-line :class:`CheckpointError` for a missing or damaged folder."""
     path, model_only = config.initial_load_path, config.initial_load_model_only
+    if not is_url(path) and not Path(path).is_dir():
+        raise _refuse(path, "is a file, not a folder" if Path(path).exists() else "does not exist")
     if _is_hf_folder(path):
         folder = Path(path)
         if not (folder / CONFIG).is_file():

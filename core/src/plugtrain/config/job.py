@@ -95,12 +95,7 @@ class JobConfig:
                 else "sample:tokenizer.json"
             )
         if self.model.flavor == "hf" and not self.model.hf_config:
-            if not (initial and Path(initial, "config.json").is_file()):
-                raise ConfigError(
-                    "config key 'model.hf_config' is empty: with flavor 'hf' name a config.json"
-                    " (or set checkpoint.initial_load_path to a Hugging Face folder)"
-                )
-            self.model.hf_config = initial
+            self.model.hf_config = _hf_folder(initial)
         if self.model.attention != "auto":
             self.resolve_attention(chat=False)
         lr, steps = self.lr_scheduler, self.training.steps
@@ -131,6 +126,31 @@ class JobConfig:
         out = {name: dataclasses.asdict(getattr(self, name)) for name in CORE_SECTIONS}
         out.update({k: dataclasses.asdict(v) for k, v in self.plugin_sections.items()})
         return out
+
+
+def _hf_folder(initial: str) -> str:
+    """``checkpoint.initial_load_path`` as flavor ``hf``'s config folder (``model.hf_config``
+    unset); a one-line :class:`ConfigError` naming what is wrong with it."""
+    key, fix = "checkpoint.initial_load_path", "give a Hugging Face folder (config.json, "
+    fix += "model.safetensors), or set model.hf_config to a config.json"
+    if not initial:
+        raise ConfigError(
+            "config key 'model.hf_config' is empty: with flavor 'hf' set it to a config.json, "
+            f"or set {key} to a Hugging Face folder"
+        )
+    if is_url(initial):
+        raise ConfigError(
+            f"{key} '{initial}' is a URL, but flavor 'hf' reads config.json from a local "
+            "folder: set model.hf_config to a local config.json"
+        )
+    folder = Path(initial)
+    if not folder.exists():
+        raise ConfigError(f"{key} '{initial}' does not exist: {fix}")
+    if not folder.is_dir():
+        raise ConfigError(f"{key} '{initial}' is a file, not a folder: {fix}")
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{key} '{initial}' has no config.json: {fix}")
+    return initial
 
 
 def _core_sections() -> typing.Mapping[str, type]:
