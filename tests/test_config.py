@@ -178,8 +178,8 @@ def test_an_option_where_a_value_belongs_is_a_missing_value():
     with pytest.raises(ConfigError) as e:
         config_from(["--training.steps", "--validation.interval", "0"])
     assert str(e.value) == (
-        "argument '--training.steps' needs a value, but '--validation.interval' follows it "
-        "(a value that starts with -- goes as --training.steps=VALUE)"
+        "argument '--training.steps' needs a value, but '--validation.interval' follows it: "
+        "write --training.steps=VALUE for a value that starts with --"
     )
     assert config_from(["--job.description=--x"]).job.description == "--x"
 

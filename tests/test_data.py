@@ -140,7 +140,7 @@ def test_packed_dataset_too_short_stream() -> None:
     msg = r"the token stream has 4 tokens, fewer than the 5 needed .* seq_len=4"
     with pytest.raises(DataError, match=msg):
         PackedDataset(InMemoryStream(torch.arange(4)), seq_len=4)
-    with pytest.raises(DataError, match=r"training\.seq_len must be at least 1, got 0"):
+    with pytest.raises(DataError, match=r"training\.seq_len must be >= 1, got 0"):
         PackedDataset(InMemoryStream(torch.arange(4)), seq_len=0)
 
 

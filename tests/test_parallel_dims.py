@@ -62,7 +62,7 @@ def test_expert_parallelism_is_carved_out_of_dp_shard():
     with pytest.raises(ConfigError) as refused:
         ParallelDims(dp_shard=4, ep=3)
     assert str(refused.value) == (
-        "ep = 3 does not divide dp_shard = 4: expert parallelism is carved out of dp_shard, "
+        "ep = 3 does not divide dp_shard = 4: expert parallelism is carved out of dp_shard: "
         "choose an ep that divides it"
     )
 

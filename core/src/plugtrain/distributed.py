@@ -78,7 +78,7 @@ class ParallelDims:
         if self.dp_shard % self.ep:
             raise ConfigError(
                 f"ep = {self.ep} does not divide dp_shard = {self.dp_shard}: expert parallelism "
-                f"is carved out of dp_shard, choose an ep that divides it"
+                f"is carved out of dp_shard: choose an ep that divides it"
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")

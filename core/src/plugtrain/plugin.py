@@ -601,6 +601,7 @@ class RunControl:
         if self.requested_rewind is not None:
             raise PluginError(
                 f"plugin '{source}' asks for a rewind at step {step}, but "
-                f"'{self.requested_rewind.source}' already did"
+                f"'{self.requested_rewind.source}' already did: one rewind per step, so ask "
+                "at a later step"
             )
         self.requested_rewind = Rewind(step, to_step, through_batch, source, reason)

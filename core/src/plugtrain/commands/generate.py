@@ -154,7 +154,10 @@ def load(
     tokenizer."""
     if is_hf_folder(path):
         if weights != "model":
-            raise ConfigError(f"--weights {weights} reads a plugtrain checkpoint, not '{path}'")
+            raise ConfigError(
+                f"--weights {weights} reads a plugtrain checkpoint, but '{path}' is a Hugging "
+                "Face folder: drop --weights, or give a checkpoint of a run with ema"
+            )
         loaded = from_hf_folder(Path(path), tokenizer_path)
     else:
         loaded = from_checkpoint(path, weights, tokenizer_path)

@@ -51,11 +51,11 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         name, eq, value = arg[2:].partition("=")
         if not eq:
             if not args:
-                raise ConfigError(f"argument '--{name}' needs a value")
+                raise ConfigError(f"argument '--{name}' needs a value: write --{name} VALUE")
             if args[0].startswith("--"):
                 raise ConfigError(
-                    f"argument '--{name}' needs a value, but '{args[0]}' follows it "
-                    f"(a value that starts with -- goes as --{name}=VALUE)"
+                    f"argument '--{name}' needs a value, but '{args[0]}' follows it: write "
+                    f"--{name}=VALUE for a value that starts with --"
                 )
             value = args.pop(0)
         if name == "config":

@@ -136,7 +136,7 @@ class PackedDataset:
         self.loss_mask = loss_mask
         """Whether targets outside the stream's mask are :data:`IGNORE_INDEX`."""
         if seq_len < 1:
-            raise DataError(f"training.seq_len must be at least 1, got {seq_len}")
+            raise DataError(f"training.seq_len must be >= 1, got {seq_len}")
         num_tokens = self._stream.num_tokens
         if num_tokens < seq_len + 1:
             raise DataError(
@@ -240,7 +240,7 @@ class StatefulBatchLoader:
     ) -> None:
         _check_rank(rank, world_size)
         if grad_accum_steps < 1:
-            raise DataError(f"training.grad_accum_steps must be at least 1, got {grad_accum_steps}")
+            raise DataError(f"training.grad_accum_steps must be >= 1, got {grad_accum_steps}")
         parts = world_size * grad_accum_steps
         if global_batch_size < 1 or global_batch_size % parts:
             raise DataError(
@@ -321,7 +321,7 @@ def count_eval_batches(
             f"world_size={world_size}: set training.batch_size to a multiple of {world_size}"
         )
     if max_batches is not None and max_batches < 1:
-        raise DataError(f"validation.steps must be at least 1, got {max_batches}")
+        raise DataError(f"validation.steps must be >= 1, got {max_batches}")
     num_batches = len(dataset) // batch_size
     if num_batches == 0:
         raise DataError(

@@ -66,7 +66,9 @@ def expand_inputs(inputs: Sequence[str]) -> list[Path]:
                     f"input '{match}' is not a supported type: give {', '.join(SUFFIXES)} files"
                 )
     if not files:
-        raise DataError(f"inputs {list(inputs)} hold no {', '.join(SUFFIXES)} file")
+        raise DataError(
+            f"inputs {list(inputs)} hold no {', '.join(SUFFIXES)} file: give files of those types"
+        )
     return files
 
 

@@ -107,7 +107,10 @@ def _item(doc: object, where: str) -> Item:
         if "ctx" not in doc and not {"ctx_a", "ctx_b"} <= doc.keys():
             missing.append("ctx")
         if missing:
-            raise DataError(f"{where} (a HellaSwag line) has no '{missing[0]}'")
+            raise DataError(
+                f"{where} (a HellaSwag line) has no '{missing[0]}': give ctx (or ctx_a and "
+                "ctx_b), endings and label"
+            )
         if {"ctx_a", "ctx_b"} <= doc.keys():
             ctx = f"{doc['ctx_a']} {str(doc['ctx_b']).capitalize()}"
         else:

@@ -268,7 +268,7 @@ class PluginHost:
         """The name ``plugin`` is registered under: its entry point's name."""
         name = self.pm.get_name(plugin)
         if name is None:
-            raise PluginError(f"{plugin!r} is not a registered plugin")
+            raise PluginError(f"{plugin!r} is not a registered plugin: register it first")
         return name
 
     def setup(self, ctx: SetupContext) -> None:

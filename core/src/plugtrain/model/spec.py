@@ -117,5 +117,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
             "or the folder holding it"
         ) from e
     if not isinstance(config, dict):
-        raise CheckpointError(f"Hugging Face config '{file}' is not a JSON object")
+        raise CheckpointError(
+            f"Hugging Face config '{file}' is not a JSON object: give a model's config.json"
+        )
     return config

@@ -103,7 +103,10 @@ def draw_runs(runs: Sequence[str | Path]) -> Figure:
         if any(_matching(series, key) for series in data for key, _, _ in lines)
     ]
     if not panels:
-        raise DataError("none of the runs has loss, grad_norm, loss_scale or throughput to plot")
+        raise DataError(
+            "none of the runs has loss, grad_norm, loss_scale or throughput to plot: pass the "
+            "dump folders of runs that logged a step"
+        )
     cols = len(panels) if len(panels) <= 3 else 2  # every cell of the grid holds a panel
     rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(6.4 * cols, 4.0 * rows))
