@@ -147,6 +147,9 @@ def test_an_unreachable_store_is_refused_in_one_line(s3_server):
          "checkpoints only: set job.local_folder"),
         ({"dump_folder": "s3://AKIA:secret@b/run", "local_folder": "x"}, "holds credentials"),
         ({"dump_folder": "s3:///run", "local_folder": "x"}, "names no bucket"),
+        ({"dump_folder": "s3://my bucket/run", "local_folder": "x"}, "^job.dump_folder "
+         "s3://my bucket/run names bucket 'my bucket', which is no S3 bucket name: use 3 to 63 "
+         "lowercase letters, digits, dots and hyphens$"),
         ({"local_folder": "s3://b/x"}, "must be a local folder, not a URL"),
     ],
 )  # fmt: skip
@@ -154,6 +157,11 @@ def test_a_bad_url_is_refused_in_one_line(fields, message):
     with pytest.raises(ConfigError, match=message) as e:
         JobInfoConfig(**fields)
     assert "secret" not in str(e.value)
+
+
+def test_a_bucket_name_botocore_sends_is_not_refused():
+    # Legacy buckets may hold capitals and underscores: only what no request could name fails.
+    JobInfoConfig(dump_folder="s3://Legacy_Bucket.1/run", local_folder="x")
 
 
 def test_the_local_folder_holds_the_records():

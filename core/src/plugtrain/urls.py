@@ -9,11 +9,15 @@ config and the checkpoint code may import it.
 from __future__ import annotations
 
 import os
+import re
 from urllib.parse import urlsplit
 
 from plugtrain.errors import ConfigError, require_extra
 
 __all__ = ["check_url", "is_url"]
+
+_BOTOCORE_BUCKET = re.compile(r"[a-zA-Z0-9.\-_]{1,255}")
+"""The bucket names botocore sends (``botocore.handlers.VALID_BUCKET``)."""
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -33,4 +37,11 @@ def check_url(url: str, option: str) -> None:
     if not parts.netloc:
         raise ConfigError(f"{option} {url} names no bucket: use {parts.scheme}://BUCKET/PREFIX")
     if parts.scheme in ("s3", "s3a"):
+        # botocore's own test, whose refusal is 600 characters of regexes: refuse here only
+        # what it refuses, naming the rule new buckets follow.
+        if not _BOTOCORE_BUCKET.fullmatch(parts.netloc):
+            raise ConfigError(
+                f"{option} {url} names bucket '{parts.netloc}', which is no S3 bucket name: use "
+                "3 to 63 lowercase letters, digits, dots and hyphens"
+            )
         require_extra("s3fs", "s3", f"{option} {url}")
