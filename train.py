@@ -2,6 +2,7 @@
 
     python train.py                                   # the debug model on the Shakespeare sample
     python train.py --config configs/debug.toml --training.steps 50
+    python train.py --nproc-per-node 2 --config configs/debug.toml  # 2 processes, checked first
     torchrun --nproc_per_node=2 train.py --config configs/debug.toml
     python train.py --help                            # every config field, with its docs
 

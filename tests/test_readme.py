@@ -16,6 +16,7 @@ from plugtrain.errors import ConfigError
 from plugtrain.observability.metrics import format_line
 from plugtrain.testing import read_metrics
 from plugtrain.training.launch import configure
+from plugtrain.training.launcher import split_launch_options
 from plugtrain.training.trainer import Trainer
 
 NUMBER = r"\d[\d.,e+-]*"
@@ -123,9 +124,9 @@ def training_arguments(argv: list[str]) -> list[str] | None:
     """The config arguments of a training command (``python train.py``, ``torchrun ...
     train.py``, ``plugtrain train``), or None for another command."""
     if argv[:2] == ["plugtrain", "train"]:
-        return argv[2:]
+        return split_launch_options(argv[2:])[1]  # torchrun's options go to the launcher
     if argv[0] in ("python", "torchrun") and "train.py" in argv:
-        return argv[argv.index("train.py") + 1 :]
+        return split_launch_options(argv[argv.index("train.py") + 1 :])[1]
     return None
 
 

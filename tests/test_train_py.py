@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 from plugtrain_grad_clip import GradClipConfig
 from plugtrain_grad_scaler import GradScalerConfig
 from plugtrain_hook_recorder import HookRecorderConfig
@@ -17,9 +18,11 @@ from plugtrain_hook_recorder import HookRecorderConfig
 from plugtrain import sample
 from plugtrain.commands.train import train
 from plugtrain.config import JobConfig
+from plugtrain.errors import ConfigError
 from plugtrain.host.plugin_host import installed_plugins
 from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
 from plugtrain.training.launch import configure, run_cli
+from plugtrain.training.launcher import exit_status, split_launch_options
 from plugtrain.training.trainer import Trainer
 
 VALIDATION = SAMPLE / "validation.jsonl"
@@ -50,6 +53,56 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         "mixed_precision_reduce, seed, seq_len, steps"
     ]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_bad_value_for_two_processes_is_one_line_and_exit_2(tmp_path, train_py):
+    """--nproc-per-node checks the config before it starts any process; torchrun cannot."""
+    dump = tmp_path / "run"
+    two = ["--nproc-per-node", "2"]
+    for bad, line in [
+        (("--training.steps", "0"), "config key 'training.steps' must be >= 1, got 0"),
+        (("--parallelism.tp", "3"), "parallelism.tp = 3 does not divide the world size 2: "),
+    ]:
+        result = run_script(train_py, [*two, *tiny_args(dump), *bad])
+        assert (result.returncode, result.stdout) == (2, ""), result.stderr
+        (said,) = result.stderr.splitlines()
+        assert said.startswith(f"plugtrain: error: {line}")
+        assert not dump.exists()
+    # Under torchrun a rank exits 2 and rank 0 alone says why (torchrun may stop the other
+    # first), but torchrun exits 1 with a report of its own: what --nproc-per-node is for.
+    under_torchrun = run_script(train_py, [*tiny_args(dump), "--training.steps", "0"], nproc=2)
+    assert under_torchrun.returncode == 1
+    assert under_torchrun.stderr.count("plugtrain: error: ") == 1
+    assert "exitcode  : 2" in under_torchrun.stderr
+    # The same command with good values trains on two processes (gloo, on the loopback).
+    result = run_script(train_py, [*two, *tiny_args(dump, steps=2)])
+    assert result.returncode == 0, result.stderr
+    assert "for 2 steps on 2 cpu process(es)" in result.stderr
+    assert [r["step"] for r in read_metrics(dump)] == [1, 2]
+
+
+def test_torchrun_options_go_to_the_launcher_and_the_rest_to_the_run():
+    argv = ["--nproc_per_node=2", "--training.steps", "3", "--standalone", "--nnodes", "1"]
+    assert split_launch_options(argv) == (
+        ["--nproc_per_node=2", "--standalone", "--nnodes", "1"],
+        ["--training.steps", "3"],
+    )
+    assert split_launch_options(["--config", "debug"]) == ([], ["--config", "debug"])
+    with pytest.raises(ConfigError, match=r"^argument '--nnodes' needs a value: write --nnodes"):
+        split_launch_options(["--nnodes", "--training.steps", "3"])
+    assert [exit_status(code) for code in (0, 2, -9)] == [0, 2, 137]
+
+
+def test_torchrun_options_under_torchrun_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    status, _, err = as_train_py(["--nproc-per-node", "2", *tiny_args(tmp_path)], capsys)
+    assert status == 2
+    assert err.splitlines() == [
+        "plugtrain: error: --nproc-per-node starts a job's processes, but torchrun already "
+        "started this one as one of them: drop the torchrun options, or run plugtrain train "
+        "without torchrun"
+    ]
 
 
 def test_missing_data_file_is_one_line(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """The plugtrain command: train, look at the installed plugins and finished runs, prepare data.
 
-  plugtrain train [--config FILE|NAME] [--section.key VALUE ...]  # train; --help: every field
+  plugtrain train [--config FILE|NAME] [--section.key VALUE ...] [--nproc-per-node N]  # train
   plugtrain plugins [--config FILE] [--plugins.enabled NAMES]  # installed plugins, their hooks
   plugtrain plot RUN_DIR [RUN_DIR ...] [-o metrics.png]        # draw and compare runs
   plugtrain prepare-data INPUT [INPUT ...] -o OUT --tokenizer FILE  # tokenize a corpus once

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from plugtrain.training import configure, ends_quietly, run_cli
+from plugtrain.training import configure, ends_quietly, launch_job, run_cli, split_launch_options
 
 __all__ = ["add_parser", "train"]
 
@@ -19,10 +19,13 @@ def train(argv: list[str], prog: str = "train.py") -> int:
     """Run the training command line ``argv`` (``train.py``'s, ``plugtrain train``'s) and
     return its exit status; ``prog`` names the command in ``--help``."""
 
-    def main() -> None:
-        configured = configure(argv, prog)
+    def main() -> int | None:
+        launch_args, args = split_launch_options(argv)
+        if launch_args:  # --nproc-per-node N and the like: this process starts the job
+            return launch_job(launch_args, args, prog)
+        configured = configure(args, prog)
         if configured is None:  # --help
-            return
+            return None
         # Here, not at the top: --help and a config error need no torch (seconds to import).
         from plugtrain.distributed import destroy_world
         from plugtrain.training import Trainer
@@ -30,5 +33,6 @@ def train(argv: list[str], prog: str = "train.py") -> int:
         config, host = configured
         Trainer(config, host).run()  # on an error, run_cli reports it and exits
         destroy_world()
+        return None
 
     return ends_quietly(lambda: run_cli(main))

@@ -182,6 +182,8 @@ def format_help(
         "--config takes a TOML file, or the name of a config shipped with plugtrain: "
         + ", ".join(sorted(c.stem for c in SHIPPED_CONFIGS.glob("*.toml")))
         + ".",
+        "--nproc-per-node N (and torchrun's other options) checks the config, then starts N "
+        "processes (docs/parallelism.md).",
     ]
     sections = {**CORE_SECTIONS, **plugin_sections}
     for section, cls in sections.items():
