@@ -55,11 +55,21 @@ def train_py() -> Path:
     return REPO / "train.py"
 
 
-def _readme_command(repo: Path, label: str) -> str:
-    text = (repo / "README.md").read_text()
-    match = re.search(rf"<!-- {label} -->\s*```(?:bash|sh)?\n(.+?)\n```", text, re.S)
-    assert match, f"README.md has no '<!-- {label} -->' command block"
+def _doc_block(page: Path, label: str) -> str:
+    match = re.search(rf"<!-- {label} -->\s*```(?:bash|sh)?\n(.+?)\n```", page.read_text(), re.S)
+    assert match, f"{page.name} has no '<!-- {label} -->' command block"
     return match.group(1).strip()
+
+
+def _readme_command(repo: Path, label: str) -> str:
+    return _doc_block(repo / "README.md", label)
+
+
+@pytest.fixture
+def doc_block() -> Callable[[Path, str], str]:
+    """``doc_block(page, label)``: the commands in the fenced block that follows ``page``'s
+    line ``<!-- label -->``."""
+    return _doc_block
 
 
 @pytest.fixture

@@ -205,3 +205,24 @@ def test_an_unreachable_store_is_refused_before_step_1(s3_server, tmp_path, caps
     assert err[-1].startswith(f"plugtrain: error: cannot reach the checkpoint store {url}/")
     assert dead in err[-1] and s3_server.secret not in err[-1]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_docs_try_it_locally_block_runs_as_written(doc_block, repo, train_py, tmp_path):
+    """docs/checkpoints.md's moto block, pasted into bash in a fresh folder (on a free port):
+    a run to the bucket, its resume from there, the checkpoints listed and read back."""
+    block = doc_block(repo / "docs" / "checkpoints.md", "s3 locally")
+    port = free_port()
+    (tmp_path / "train.py").symlink_to(train_py)
+    # The block's own python and moto_server; its server stopped even if a command fails.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    script = "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + block.replace("5000", str(port))
+    result = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PATH": path, "PYTHONUNBUFFERED": "1"}, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    url = "s3://my-bucket/runs/try/checkpoints"
+    assert f"resumed from {url}/step-4 (step 4," in result.stderr
+    listed = re.findall(r"'my-bucket/runs/try/checkpoints/(step-\d+)'", result.stdout)
+    assert listed == ["step-2", "step-4", "step-6"], result.stdout
+    assert max(r["step"] for r in read_metrics(tmp_path / "outputs" / "try")) == 6

@@ -29,10 +29,11 @@ USER_PAGES = (
 )
 """README and the pages its manual was split into: every shell command on them is checked here
 (README's labelled set-up, run and test commands by tests/repository/test_repository.py)."""
-LABELLED = {"setup", "run", "test", "user install", "lm eval"}
+LABELLED = {"setup", "run", "test", "user install", "lm eval", "s3 locally"}
 """The ``<!-- label -->`` command blocks that other tests run: README's set-up, run and test
-(checked against CI by tests/repository/), its user install (tests/test_install.py), and the
-lm-eval recipe of docs/evaluation.md (tests/test_lm_eval.py)."""
+(checked against CI by tests/repository/), its user install (tests/test_install.py), the
+lm-eval recipe of docs/evaluation.md (tests/test_lm_eval.py), and docs/checkpoints.md's S3
+server on the loopback address (tests/test_object_store_runs.py)."""
 
 
 @pytest.fixture
