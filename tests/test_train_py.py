@@ -69,11 +69,12 @@ def test_a_bad_value_for_two_processes_is_one_line_and_exit_2(tmp_path, train_py
         (said,) = result.stderr.splitlines()
         assert said.startswith(f"plugtrain: error: {line}")
         assert not dump.exists()
-    # Under torchrun a rank exits 2 and rank 0 alone says why (torchrun may stop the other
-    # first), but torchrun exits 1 with a report of its own: what --nproc-per-node is for.
-    under_torchrun = run_script(train_py, [*tiny_args(dump), "--training.steps", "0"], nproc=2)
+    # Under torchrun a rank exits 2 and rank 0 alone says why (the world size is checked before
+    # the process group is up; torchrun may stop the other rank first), but torchrun exits 1
+    # with a report of its own: what --nproc-per-node is for.
+    under_torchrun = run_script(train_py, [*tiny_args(dump), "--parallelism.tp", "3"], nproc=2)
     assert under_torchrun.returncode == 1
-    assert under_torchrun.stderr.count("plugtrain: error: ") == 1
+    assert under_torchrun.stderr.count("plugtrain: error: ") == 1  # no "[rank 1] plugtrain:"
     assert "exitcode  : 2" in under_torchrun.stderr
     # The same command with good values trains on two processes (gloo, on the loopback).
     result = run_script(train_py, [*two, *tiny_args(dump, steps=2)])

@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-from plugtrain.training import configure, ends_quietly, launch_job, run_cli, split_launch_options
+from plugtrain.training import (
+    check_world,
+    configure,
+    ends_quietly,
+    launch_job,
+    run_cli,
+    split_launch_options,
+)
 
 __all__ = ["add_parser", "train"]
 
@@ -31,6 +39,8 @@ def train(argv: list[str], prog: str = "train.py") -> int:
         from plugtrain.training import Trainer
 
         config, host = configured
+        # Before the process group is up, where only rank 0 reports what every rank refuses.
+        check_world(config, int(os.environ.get("WORLD_SIZE", "1")))
         Trainer(config, host).run()  # on an error, run_cli reports it and exits
         destroy_world()
         return None

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from plugtrain.training.launch import configure as configure
     from plugtrain.training.launch import ends_quietly as ends_quietly
     from plugtrain.training.launch import run_cli as run_cli
+    from plugtrain.training.launcher import check_world as check_world
     from plugtrain.training.launcher import launch_job as launch_job
     from plugtrain.training.launcher import split_launch_options as split_launch_options
     from plugtrain.training.loss import RunLoss as RunLoss

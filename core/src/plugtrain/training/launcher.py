@@ -17,10 +17,18 @@ import os
 import sys
 from collections.abc import Iterator
 
+from plugtrain.config import JobConfig
 from plugtrain.errors import ConfigError
 from plugtrain.training.launch import configure
 
-__all__ = ["LAUNCH_FLAGS", "LAUNCH_OPTIONS", "exit_status", "launch_job", "split_launch_options"]
+__all__ = [
+    "LAUNCH_FLAGS",
+    "LAUNCH_OPTIONS",
+    "check_world",
+    "exit_status",
+    "launch_job",
+    "split_launch_options",
+]
 
 LAUNCH_OPTIONS = (
     "nproc-per-node", "nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv-id",
@@ -67,6 +75,15 @@ class _NoFailureReport(logging.Filter):
         return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
 
 
+def check_world(config: JobConfig, world_size: int) -> None:
+    """Refuse in one line what a run of ``config`` on ``world_size`` processes would refuse once
+    its process group is up (the degrees, the batch's split over the ranks, ``tp`` against the
+    model's heads): checked before, every rank refuses it alike and rank 0 alone says so."""
+    from plugtrain.training.estimate import estimate_run  # torch: not for a config error
+
+    estimate_run(config, world_size)
+
+
 def launch_job(launch_args: list[str], argv: list[str], prog: str) -> int:
     """Check the run ``argv`` asks for on the world ``launch_args`` (torchrun's options) give,
     then run it there as ``python -m plugtrain train ARGV``; return the job's exit status."""
@@ -84,7 +101,6 @@ def launch_job(launch_args: list[str], argv: list[str], prog: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from plugtrain.distributed import resolve_device
-    from plugtrain.training.estimate import estimate_run
 
     parser = torchrun.get_args_parser()
     parser.exit_on_error = False
@@ -99,7 +115,7 @@ def launch_job(launch_args: list[str], argv: list[str], prog: str) -> int:
     config = configured[0]
     resolve_device(config.training.device)
     if min_nodes == max_nodes:  # an elastic job's size is known only once it runs
-        estimate_run(config, max_nodes * per_node)
+        check_world(config, max_nodes * per_node)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoFailureReport())
     try:
         torchrun.run(args)
