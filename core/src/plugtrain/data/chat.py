@@ -16,6 +16,9 @@ template's end-of-turn text (``<|eot_id|>``), so the model learns to stop. A tok
 assistant's when its first character lies in such a span. This needs every rendering of a
 prefix to be a prefix of the whole conversation's; a template that rewrites earlier turns (one
 that drops past reasoning) breaks it and is refused, naming the conversation.
+
+Conversations read from a file (:class:`Conversation`) carry their ``path:line``: an error
+while one is encoded (the template's own ``raise_exception`` included) names it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from plugtrain.data.tokenizer import BOS_TOKEN, EOS_TOKEN, Tokenizer
-from plugtrain.errors import DataError, MissingFileError
+from plugtrain.errors import DataError, MissingFileError, one_line
 
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a message may have."""
@@ -70,6 +74,19 @@ def check_conversation(record: Any, where: str) -> list[dict[str, str]]:
     return messages
 
 
+class Conversation(list):
+    """A conversation's checked messages (a list, as :func:`check_conversation` gives them)
+    and ``where`` it was read, ``path:line``, which errors while encoding it name."""
+
+    def __init__(self, messages: list[dict[str, str]], where: str) -> None:
+        super().__init__(messages)
+        self.where = where
+
+
+class _TemplateRaised(Exception):
+    """A chat template's own ``raise_exception(message)``."""
+
+
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json gives it: a string or ``{"content": ...}``."""
     return value.get("content") if isinstance(value, dict) else value
@@ -90,6 +107,48 @@ class ChatTemplate:
     )
     """The variables ``bos_token``, ``eos_token`` (and ``unk_token``, ``pad_token`` when the
     tokenizer's config names them) the template sees."""
+
+    def __post_init__(self) -> None:
+        import jinja2
+
+        try:  # compiled where it is read, so that a broken one is named before any data
+            _compiled(self.source)
+        except jinja2.TemplateSyntaxError as e:
+            raise DataError(
+                f"chat template ({self.origin}) is not valid jinja ({one_line(e)}): fix it, or "
+                "give another (data.chat_template)"
+            ) from e
+
+    @property
+    def sha256(self) -> str:
+        """The sha256 of the template's text: ``sha256sum`` of its ``chat_template.jinja``."""
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    def record(self) -> dict[str, Any]:
+        """What a run records beside the template's text (a checkpoint's
+        ``chat_template.json``, a prepared folder's manifest): where it was read, its
+        :attr:`sha256` and its special tokens."""
+        return {
+            "origin": self.origin,
+            "sha256": self.sha256,
+            "special_tokens": dict(self.special_tokens),
+        }
+
+    @classmethod
+    def from_record(
+        cls, source: str, record: Mapping[str, Any], where: str, *, origin: str = ""
+    ) -> ChatTemplate:
+        """The template of text ``source`` and its :meth:`record`, read from ``where`` (its
+        :attr:`origin` unless ``origin`` is given); a :class:`DataError` when the text is not
+        the one recorded."""
+        tokens = tuple(sorted(record["special_tokens"].items()))
+        template = cls(source, origin or where, tokens)
+        if template.sha256 != record["sha256"]:
+            raise DataError(
+                f"{where} has sha256 {template.sha256[:12]}, but its record says "
+                f"{record['sha256'][:12]}: it was changed; restore it or write it again"
+            )
+        return template
 
     @classmethod
     def for_tokenizer(
@@ -143,7 +202,13 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **dict(self.special_tokens),
             )
-        except Exception as e:  # jinja2's errors, and the template's own raise_exception
+        except _TemplateRaised as e:
+            raise DataError(
+                f"chat template raised: {e} (template: {self.origin}): fix the conversation, or "
+                "give a template that accepts it (data.chat_template; prepare-data: "
+                "--chat-template)"
+            ) from e
+        except Exception as e:  # jinja2's errors
             raise DataError(
                 f"chat template ({self.origin}) failed on a conversation: {type(e).__name__}: {e}"
             ) from e
@@ -198,7 +263,7 @@ def _compiled(source: str) -> Any:
             return caller()
 
     def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
+        raise _TemplateRaised(message)
 
     def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, **kw: Any) -> str:
         # jinja's own tojson escapes HTML characters; templates expect plain JSON.
@@ -210,10 +275,7 @@ def _compiled(source: str) -> Any:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise DataError(f"chat template is not valid jinja ({e}): fix data.chat_template") from e
+    return env.from_string(source)
 
 
 def encode_conversation(
@@ -265,10 +327,15 @@ class ChatEncoder:
         self, conversations: list[list[dict[str, str]]], tokenizer: Tokenizer
     ) -> tuple[list[list[int]], list[np.ndarray], int, int]:
         """Each kept conversation's ids and assistant mask, and how many were truncated and
-        dropped."""
+        dropped; an error names a :class:`Conversation`'s ``path:line``."""
         ids, masks, truncated, dropped = [], [], 0, 0
         for messages in conversations:
-            tokens, mask = encode_conversation(messages, self.template, tokenizer)
+            try:
+                tokens, mask = encode_conversation(messages, self.template, tokenizer)
+            except DataError as e:
+                if not isinstance(messages, Conversation):
+                    raise
+                raise DataError(f"{messages.where}: {e}") from e
             if self.max_tokens and len(tokens) > self.max_tokens:
                 if self.overlong == "drop":
                     dropped += 1

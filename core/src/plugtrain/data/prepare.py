@@ -12,7 +12,8 @@ closed when it holds ``shard_tokens`` tokens or more, at a chunk boundary.
 Chat data (:mod:`plugtrain.data.chat`) is one document per conversation: the chat template's
 tokens as they are (the template places its own BOS and end-of-turn tokens), and beside each
 shard a ``shard_NNNNN.mask`` of one byte per token, 1 for the assistant's; the manifest's
-``chat`` says how many conversations were kept, truncated and dropped.
+``chat`` says how many conversations were kept, truncated and dropped, and holds the chat
+template's text and record (a run on the folder records the template it trained with).
 
 Progress counts the bytes of the input files read (compressed ones included), against their
 total size: a bar on a terminal, otherwise a line every ``PROGRESS_EVERY`` seconds.
@@ -509,6 +510,9 @@ def _write(
         extra["chat"] = {
             "template": chat.template.origin,
             **chat.key(),
+            # The text itself: a run on this folder records the template it trained with.
+            "template_source": chat.template.source,
+            "template_record": chat.template.record(),
             "conversations": num_docs + dropped,
             "truncated": truncated,
             "dropped": dropped,

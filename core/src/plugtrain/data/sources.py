@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from plugtrain import sample
-from plugtrain.data.chat import check_conversation
+from plugtrain.data.chat import Conversation, check_conversation
 from plugtrain.errors import DataError, MissingFileError, require_extra
 
 SUFFIXES = (
@@ -132,7 +132,8 @@ def _jsonl(
 ) -> Iterator[tuple[Any, int, int]]:
     for lineno, line, record, position in _records(path, kind, label):
         if chat:
-            yield check_conversation(record, f"{label} '{path}' line {lineno}"), len(line), position
+            messages = check_conversation(record, f"{label} '{path}' line {lineno}")
+            yield Conversation(messages, f"{path}:{lineno}"), len(line), position
             continue
         if not isinstance(record, dict) or not isinstance(record.get(field), str):
             raise DataError(
@@ -165,7 +166,8 @@ def iter_documents(
 ) -> Iterator[tuple[Any, int, int]]:
     """``(text, text bytes, file bytes read)`` of every document of ``path`` (see the module
     doc); a .txt file is one document. With ``chat``, ``text`` is each line's checked
-    ``messages`` (:func:`~plugtrain.data.chat.check_conversation`).
+    ``messages`` (:func:`~plugtrain.data.chat.check_conversation`), a
+    :class:`~plugtrain.data.chat.Conversation` that knows its ``path:line``.
 
     Errors name the file as ``{label} '{path}'``."""
     kind = _kind(path)
