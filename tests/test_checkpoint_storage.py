@@ -12,10 +12,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from plugtrain.checkpoint.dcp_io import read_metadata
+from plugtrain.checkpoint.records import chat_template_files, read_chat_template
 from plugtrain.checkpoint.saved import locate_checkpoint
 from plugtrain.checkpoint.storage import DELETING, PARTIAL, LocalStorage
 from plugtrain.errors import CheckpointError
-from plugtrain.testing import SMALL_RUN_CONFIG, save_small_checkpoint
+from plugtrain.testing import SMALL_RUN_CONFIG, SMALL_TEMPLATE, save_small_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -43,6 +44,19 @@ def test_a_committed_checkpoint_is_listed_and_reads_back(storage):
     assert torch.equal(loaded["w"], state["w"]) and loaded["train"]["step"].item() == 5
     files = [p for p in storage.where(5).iterdir() if p.is_file()]
     assert storage.size(5) == sum(p.stat().st_size for p in files) > 0
+
+
+def test_the_chat_template_staged_with_a_checkpoint_reads_back(storage):
+    save_small_checkpoint(storage, 1)
+    save_small_checkpoint(storage, 2, files=chat_template_files(SMALL_TEMPLATE))
+    assert read_chat_template(storage, 1) is None  # a text run's, or an older run's
+    read = read_chat_template(storage, 2)
+    assert read is not None and read.origin == f"{storage.where(2)}/chat_template.jinja"
+    assert (read.source, read.special_tokens) == (
+        SMALL_TEMPLATE.source,
+        SMALL_TEMPLATE.special_tokens,
+    )
+    assert (storage.where(2) / "chat_template.jinja").read_text() == SMALL_TEMPLATE.source
 
 
 def test_a_staged_checkpoint_is_never_listed_until_committed(storage):

@@ -78,6 +78,9 @@ def test_greedy_generation_equals_the_cache_free_loop_and_is_deterministic(
     assert out == reference_greedy(run, PROMPT, 30) + "\n"
     assert len(out) > 30  # 30 tokens of text, not an early end
     assert generate_cli(capsys, str(run), "--prompt", PROMPT, "--max-new-tokens", "30")[1] == out
+    # --echo: the prompt, then the same text.
+    echoed = generate_cli(capsys, str(run), "--prompt", PROMPT, "--max-new-tokens", "30", "--echo")
+    assert echoed == (0, PROMPT + out, "")
 
 
 def test_a_run_on_the_shipped_sample_finds_its_tokenizer(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -12,10 +13,11 @@ import torch.distributed.checkpoint as dcp
 
 from plugtrain.checkpoint.dcp_io import read_checkpoint
 from plugtrain.checkpoint.object_store import MARKER, FsspecStorage, open_storage
+from plugtrain.checkpoint.records import chat_template_files, read_chat_template
 from plugtrain.checkpoint.saved import locate_checkpoint
 from plugtrain.config import JobInfoConfig
 from plugtrain.errors import CheckpointError, ConfigError
-from plugtrain.testing import SMALL_RUN_CONFIG, free_port, save_small_checkpoint
+from plugtrain.testing import SMALL_RUN_CONFIG, SMALL_TEMPLATE, free_port, save_small_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -49,6 +51,23 @@ def test_a_marked_checkpoint_is_listed_and_reads_back(s3_server, storage):
     assert storage.size(5) == sum(
         s3_server.filesystem().du(f"{storage.root}/step-5", total=False).values()
     )
+
+
+def test_the_chat_template_staged_with_a_checkpoint_reads_back(s3_server, storage):
+    save_small_checkpoint(storage, 1)
+    save_small_checkpoint(storage, 2, files=chat_template_files(SMALL_TEMPLATE))
+    assert "step-2/chat_template.jinja" in objects(s3_server, storage)
+    read = read_chat_template(storage, 2)
+    assert read is not None and read.origin == f"{storage.where(2)}/chat_template.jinja"
+    assert (read.source, read.special_tokens) == (
+        SMALL_TEMPLATE.source,
+        SMALL_TEMPLATE.special_tokens,
+    )
+    # None recorded: said at once (an absent object is no failure to retry; a retry would
+    # wait 10 s here).
+    patient = FsspecStorage(storage.url, s3_server.endpoint, attempts=2, backoff_s=10.0)
+    start = time.perf_counter()
+    assert read_chat_template(patient, 1) is None and time.perf_counter() - start < 5
 
 
 def test_an_unmarked_checkpoint_is_never_listed_and_is_cleaned(s3_server, storage):
@@ -105,7 +124,10 @@ def test_read_file_gives_a_checkpoints_object_and_locate_reads_through_it(s3_ser
     save_small_checkpoint(storage, 7, commit=False)
     stored = s3_server.filesystem().cat_file(f"{storage.root}/step-5/config.json")
     assert storage.read_file(5, "config.json") == stored and json.loads(stored)["seed"] == 5
-    with pytest.raises(OSError, match=r"download of .*step-5/nothing.json failed 2 times"):
+    # An absent object is said at once, not retried.
+    with pytest.raises(
+        FileNotFoundError, match=r"download of .*step-5/nothing.json failed: no such"
+    ):
         storage.read_file(5, "nothing.json")
     # The run's URL, its checkpoints prefix and a step-N prefix, as the local disk's paths.
     for url, step in ((storage.url, 5), (storage.location, 5), (storage.where(3), 3)):

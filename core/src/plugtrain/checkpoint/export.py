@@ -3,8 +3,11 @@
 The folder holds ``model.safetensors`` (or shards and ``model.safetensors.index.json``),
 ``config.json``, ``generation_config.json``, ``tokenizer.json`` and ``tokenizer_config.json``:
 ``transformers.LlamaForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` load it
-with no other file; the chat template of the tokenizer's folder, when it has one, is copied
-as ``chat_template.jinja``, so that ``apply_chat_template`` works on the export. The exported
+with no other file. A run on chat data exports the chat template it trained with (the one its
+checkpoint records, plugtrain's default included), as ``chat_template.jinja`` and as
+``tokenizer_config.json``'s ``chat_template``, so that ``apply_chat_template`` gives the ids it
+trained on; a text run (or one saved before the template was recorded) exports the template of
+its tokenizer's folder when that has its own, and none otherwise. The exported
 tokenizer puts ``<|begin_of_text|>`` before a text, as Llama 3's does and as plugtrain lays
 out its training documents, prompts and scored contexts: with its default
 ``add_special_tokens``, ``AutoTokenizer(...)(text)`` gives the ids the model was trained and
@@ -125,6 +128,7 @@ def export_checkpoint(
         load if conversion is None else conversion.exported(load),
         hf=hf,
         tokenizer_path=saved.tokenizer_path,
+        chat_template=saved.chat_template,
         dtype=dtype,
         max_shard_size=max_shard_size,
         overwrite=overwrite,
@@ -263,9 +267,11 @@ def write_hf_folder(
     dtype: torch.dtype,
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
+    chat_template: ChatTemplate | None = None,
 ) -> Path:
     """Write a Hugging Face folder ``out`` for a model of shape ``args``, in its family's
-    format ``hf``.
+    format ``hf``, with ``chat_template`` (the one the run trained with; None: the tokenizer
+    folder's own, if any).
 
     ``load(name)`` gives the full tensor of plugtrain parameter ``name``; it is called once per
     parameter in the model's order, and only that tensor (and its converted copy) is held.
@@ -286,7 +292,8 @@ def write_hf_folder(
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
         _write_weights(partial, args, hf, load, dtype, max_shard_size)
-        _write_configs(partial, args, hf, dtype, Path(tokenizer_path), tokenizer_files)
+        template = chat_template or _own_template(Path(tokenizer_path))
+        _write_configs(partial, args, hf, dtype, template, tokenizer_files)
         if out.exists():
             doomed = out.with_name(out.name + ".deleting")
             out.rename(doomed)
@@ -350,11 +357,11 @@ def _write_configs(
     args: Any,
     hf: HFAdapter,
     dtype: torch.dtype,
-    tokenizer_path: Path,
+    template: ChatTemplate | None,
     tokenizer_files: tuple[dict, dict, dict, dict],
 ) -> None:
     """Write the model's ``config.json`` and its tokenizer's files (:func:`_tokenizer_files`)
-    into ``folder``, with the chat template when the tokenizer has its own."""
+    into ``folder``, with chat ``template`` when there is one."""
     tokenizer_json, tokenizer_config, generation_config, ids = tokenizer_files
     _write_json(
         folder / "config.json",
@@ -366,11 +373,18 @@ def _write_configs(
         ),
     )
     _write_json(folder / "generation_config.json", generation_config)
+    if template is not None:  # both places transformers has read it from, older ones included
+        tokenizer_config = {**tokenizer_config, "chat_template": template.source}
+        (folder / "chat_template.jinja").write_text(template.source, encoding="utf-8")
     _write_json(folder / "tokenizer_config.json", tokenizer_config)
-    template = ChatTemplate.for_tokenizer(tokenizer_path)
-    if template.source != DEFAULT_CHAT_TEMPLATE:  # the model's own: apply_chat_template reads it
-        (folder / "chat_template.jinja").write_text(template.source)
     _write_json(folder / "tokenizer.json", tokenizer_json)
+
+
+def _own_template(tokenizer_path: Path) -> ChatTemplate | None:
+    """The chat template of the tokenizer's folder, when it has its own (none is invented for
+    a model that may never have seen one)."""
+    template = ChatTemplate.for_tokenizer(tokenizer_path)
+    return None if template.source == DEFAULT_CHAT_TEMPLATE else template
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -10,12 +10,25 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["CHECKPOINTS", "CONFIG", "STEP_DIR", "checkpoint_folder", "complete_checkpoints"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "CHAT_TEMPLATE_RECORD",
+    "CHECKPOINTS",
+    "CONFIG",
+    "STEP_DIR",
+    "checkpoint_folder",
+    "complete_checkpoints",
+]
 
 CHECKPOINTS = "checkpoints"
 """The folder of ``job.dump_folder`` that holds a run's checkpoints."""
 CONFIG = "config.json"
 """The file of a checkpoint folder that holds the resolved config of the run that saved it."""
+CHAT_TEMPLATE = "chat_template.jinja"
+"""The file of a checkpoint folder that holds the chat template the run's chat data was
+rendered with (absent for text, and in checkpoints of runs before it was recorded)."""
+CHAT_TEMPLATE_RECORD = "chat_template.json"
+"""Beside :data:`CHAT_TEMPLATE`: its sha256, where the run read it and its special tokens."""
 STEP_DIR = re.compile(r"step-(\d+)")
 """The name of a complete checkpoint folder, ``step-<N>``."""
 

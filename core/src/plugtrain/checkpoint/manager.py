@@ -69,9 +69,11 @@ from plugtrain.checkpoint.dcp_io import (
 from plugtrain.checkpoint.faults import Fault
 from plugtrain.checkpoint.layout import CONFIG
 from plugtrain.checkpoint.object_store import open_storage
+from plugtrain.checkpoint.records import chat_template_files
 from plugtrain.checkpoint.rng import rng_state, set_rng_state
 from plugtrain.checkpoint.storage import CheckpointStorage
 from plugtrain.config import CheckpointConfig
+from plugtrain.data import ChatTemplate
 from plugtrain.distributed import ParallelDims
 from plugtrain.errors import CheckpointError, one_line
 
@@ -113,7 +115,8 @@ class CheckpointManager:
     ``load_state_dict``, saved under their key: the LR schedule, the data loader, the trainer's
     counters) and the plugin host (:class:`PluginStates`: each plugin's ``state_dict`` hook).
     ``run_config`` is the run's resolved config as plain data (``JobConfig.to_dict``), saved
-    with each checkpoint.
+    with each checkpoint, and so is ``chat_template``, the template the run's chat data was
+    rendered with (``checkpoint.saved`` reads both back).
 
     The trainer calls :meth:`load` once, after plugin setup; :meth:`after_step` after every
     optimizer step (it saves when due); :meth:`close` at the end, or :meth:`abort` after an
@@ -132,9 +135,11 @@ class CheckpointManager:
         states: Mapping[str, Stateful],
         host: PluginStates,
         run_config: Mapping[str, Any],
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self.config = config
         self.run_config = run_config
+        self.run_files = chat_template_files(chat_template)
         self.resumed_from: dict[str, Any] | None = None
         """The checkpoint :meth:`load` resumed from, ``{"path", "step"}``; None for a new run."""
         self.storage: CheckpointStorage = open_storage(
@@ -194,7 +199,7 @@ class CheckpointManager:
         failure: OSError | None = None
         if self.dims.is_main:
             try:
-                self.storage.stage(step, self.run_config)
+                self.storage.stage(step, self.run_config, self.run_files)
             except OSError as e:
                 failure = e
         # Asked of every rank rather than a barrier, so that all stop when rank 0 cannot start.

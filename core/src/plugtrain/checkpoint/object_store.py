@@ -29,6 +29,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Generator, Mapping
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -57,10 +58,13 @@ T = TypeVar("T")
 
 def _retrying(what: str, attempts: int, backoff_s: float, call: Callable[[], T]) -> T:
     """``call()``, tried ``attempts`` times, waiting ``backoff_s``, then twice as long, between
-    tries; the last failure is an ``OSError`` naming ``what``."""
+    tries; the last failure is an ``OSError`` naming ``what`` (``FileNotFoundError`` at once for
+    an absent object)."""
     for attempt in range(attempts):
         try:
             return call()
+        except FileNotFoundError as e:  # an absent object stays absent: no retry
+            raise FileNotFoundError(errno.ENOENT, f"{what} failed: no such object") from e
         except Exception as e:  # the store's errors come as many types (botocore, aiohttp)
             if attempt == attempts - 1:
                 why = f"{what} failed {attempts} times, last: {one_line(e)}"
@@ -231,13 +235,16 @@ class FsspecStorage(CheckpointStorage):
         self.fs.invalidate_cache(self._prefix(step))
         return self._retry(f"lookup of {self.where(step)}", lambda: bool(self.fs.exists(marker)))
 
-    def stage(self, step: int, run_config: Mapping[str, Any]) -> None:
+    def stage(
+        self, step: int, run_config: Mapping[str, Any], files: Mapping[str, bytes] | None = None
+    ) -> None:
         self._remove(step)  # what a crash left while saving this very step
-        data = (json.dumps(run_config, indent=2) + "\n").encode()
-        self._retry(
-            f"upload of {self.where(step)}/{CONFIG}",
-            lambda: self.fs.pipe_file(f"{self._prefix(step)}/{CONFIG}", data),
-        )
+        config = (json.dumps(run_config, indent=2) + "\n").encode()
+        for name, data in {CONFIG: config, **(files or {})}.items():
+            self._retry(
+                f"upload of {self.where(step)}/{name}",
+                partial(self.fs.pipe_file, f"{self._prefix(step)}/{name}", data),
+            )
 
     def writer(self, step: int) -> StorageWriter:
         return _Writer(self._prefix(step), self.fs, self.attempts, self.backoff_s)

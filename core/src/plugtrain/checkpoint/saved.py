@@ -24,9 +24,10 @@ from plugtrain import sample
 from plugtrain.checkpoint.dcp_io import read_metadata
 from plugtrain.checkpoint.layout import CHECKPOINTS, CONFIG, STEP_DIR
 from plugtrain.checkpoint.object_store import MARKER, open_checkpoints
+from plugtrain.checkpoint.records import read_chat_template
 from plugtrain.checkpoint.storage import CheckpointStorage
 from plugtrain.config import ModelConfig, build_section
-from plugtrain.data import Tokenizer
+from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
 from plugtrain.model import ModelSpec, model_spec
 
@@ -117,6 +118,9 @@ class SavedCheckpoint:
     """The shape of its model, an instance of ``spec.args``."""
     tokenizer_path: Path
     tokenizer: Tokenizer
+    chat_template: ChatTemplate | None = None
+    """The chat template its run's chat data was rendered with (``checkpoint.records``); None
+    for a text run, or one saved before the template was recorded."""
 
     @property
     def folder(self) -> Path | str:
@@ -191,4 +195,5 @@ def open_checkpoint(
             "use the plugtrain that trained it"
         ) from e
     args = model.model_args(loaded.vocab_size, seq_len)
-    return SavedCheckpoint(source, config, spec, args, tokenizer_path, loaded)
+    chat_template = read_chat_template(source.storage, source.step)
+    return SavedCheckpoint(source, config, spec, args, tokenizer_path, loaded, chat_template)

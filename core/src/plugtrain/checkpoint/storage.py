@@ -93,9 +93,12 @@ class CheckpointStorage(ABC):
         """Whether the name of ``step``'s checkpoint is taken (by a complete one, or else)."""
 
     @abstractmethod
-    def stage(self, step: int, run_config: Mapping[str, Any]) -> None:
+    def stage(
+        self, step: int, run_config: Mapping[str, Any], files: Mapping[str, bytes] | None = None
+    ) -> None:
         """Begin the checkpoint of ``step`` (rank 0): a fresh staging area, replacing one an
-        earlier attempt left, that holds the run's resolved config (:data:`CONFIG`)."""
+        earlier attempt left, that holds the run's resolved config (:data:`CONFIG`) and
+        ``files`` (its other records, by name: the chat template)."""
 
     @abstractmethod
     def writer(self, step: int) -> StorageWriter:
@@ -118,7 +121,8 @@ class CheckpointStorage(ABC):
     @abstractmethod
     def read_file(self, step: int, name: str) -> bytes:
         """The bytes of file ``name`` of the complete checkpoint of ``step`` (its
-        :data:`CONFIG`): the one way to read a checkpoint's files, whatever the medium."""
+        :data:`CONFIG`): the one way to read a checkpoint's files, whatever the medium;
+        ``FileNotFoundError``, at once, if it has none of that name."""
 
     def read_config(self, step: int) -> dict[str, Any]:
         """The run config saved with the complete checkpoint of ``step``."""
@@ -178,12 +182,16 @@ class LocalStorage(CheckpointStorage):
     def exists(self, step: int) -> bool:
         return self.where(step).exists()
 
-    def stage(self, step: int, run_config: Mapping[str, Any]) -> None:
+    def stage(
+        self, step: int, run_config: Mapping[str, Any], files: Mapping[str, bytes] | None = None
+    ) -> None:
         staging = self._staging(step)
         if staging.exists():  # left by a crash while saving this very step
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
         (staging / CONFIG).write_text(json.dumps(run_config, indent=2) + "\n")
+        for name, data in (files or {}).items():
+            (staging / name).write_bytes(data)
 
     def writer(self, step: int) -> StorageWriter:
         return FileSystemWriter(self._staging(step))

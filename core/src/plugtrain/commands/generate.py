@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,14 @@ from torch import nn
 from plugtrain import sample
 from plugtrain.checkpoint import WEIGHTS, open_checkpoint, read_checkpoint
 from plugtrain.data import ChatTemplate, Tokenizer
-from plugtrain.errors import CheckpointError, ConfigError, UserError, one_line
+from plugtrain.errors import CheckpointError, ConfigError, MissingFileError, UserError, one_line
 from plugtrain.model import ModelSpec, complete, hf_model_spec
 
 __all__ = [
     "Loaded",
     "add_model_arguments",
     "add_parser",
+    "chat_template_of",
     "from_checkpoint",
     "from_hf_folder",
     "is_hf_folder",
@@ -176,13 +178,40 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _tokenizer_file(path: str | os.PathLike[str], tokenizer_path: str | None) -> Path:
-    """The tokenizer.json a loaded model uses: ``--tokenizer``, the HF folder's or the run's."""
-    if tokenizer_path:
-        return sample.resolve(tokenizer_path)
+def chat_template_of(
+    path: str | os.PathLike[str], tokenizer_path: str | None = None
+) -> ChatTemplate:
+    """The chat template of the model at ``path``: the one its run trained with, as its
+    checkpoint records it; else (a text run, or one saved before the template was recorded)
+    that of its tokenizer's folder (``tokenizer_path``, else the HF folder's or the run's),
+    plugtrain's default when it has none. An HF folder's is its own."""
     if is_hf_folder(path):
-        return Path(path) / "tokenizer.json"
-    return open_checkpoint(path, None).tokenizer_path
+        folder_tokenizer = Path(path) / "tokenizer.json"
+        return ChatTemplate.for_tokenizer(sample.resolve(tokenizer_path or folder_tokenizer))
+    saved = open_checkpoint(path, tokenizer_path)
+    return saved.chat_template or ChatTemplate.for_tokenizer(saved.tokenizer_path)
+
+
+def _chat_template(args: argparse.Namespace) -> ChatTemplate:
+    """The template ``generate --chat`` renders with: the model's (:func:`chat_template_of`),
+    or ``--chat-template``, said in one line (on stderr) when it differs from the model's."""
+    own = chat_template_of(args.path, args.tokenizer)
+    if not args.chat_template:
+        return own
+    path = sample.resolve(args.chat_template)
+    if not path.is_file():
+        raise MissingFileError(
+            f"--chat-template '{args.chat_template}' not found: give a .jinja file, or leave it "
+            "out for the template the model trained with"
+        )
+    given = ChatTemplate(path.read_text(encoding="utf-8"), str(path), own.special_tokens)
+    if given.sha256 != own.sha256:
+        print(
+            f"generate: rendering with --chat-template {path} (sha256 {given.sha256[:12]}), not "
+            f"the model's template {own.origin} (sha256 {own.sha256[:12]})",
+            file=sys.stderr,
+        )
+    return given
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -218,6 +247,15 @@ def add_parser(subparsers: argparse._SubParsersAction, summary: str) -> None:
         action="store_true",
         help="the prompt is a user message, rendered with the model's chat template",
     )
+    parser.add_argument(
+        "--chat-template",
+        default="",
+        help="with --chat: a .jinja template to render with instead of the one the model "
+        "trained with (default: that one, as its checkpoint records it; else its tokenizer's)",
+    )
+    parser.add_argument(
+        "--echo", action="store_true", help="print the prompt (as rendered) before the text"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=100, help="at most this many tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     parser.add_argument(
@@ -240,12 +278,16 @@ def run(args: argparse.Namespace) -> int:
     ):
         if not ok:
             raise ConfigError(f"{option} must be {bound}, got {value}")
+    if args.chat_template and not args.chat:
+        raise ConfigError("--chat-template renders a chat prompt: add --chat")
     model, tokenizer = load(args.path, _device(args.device), args.weights, args.tokenizer)
     prompt_ids = stop_id = None
+    shown = args.prompt
     if args.chat:  # the prompt is a user's message, rendered with the model's chat template
-        template = ChatTemplate.for_tokenizer(_tokenizer_file(args.path, args.tokenizer))
+        template = _chat_template(args)
         messages = [{"role": "user", "content": args.prompt}]
-        prompt_ids = tokenizer.encode(template.render(messages, add_generation_prompt=True))
+        shown = template.render(messages, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(shown)
         stop_id = (tokenizer.encode(template.reply_end()) or [tokenizer.eos_id])[0]
     text = complete(
         model,
@@ -259,5 +301,5 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids=prompt_ids,
         stop_id=stop_id,
     )
-    print(text)
+    print(shown + text if args.echo else text)
     return 0

@@ -109,6 +109,7 @@ if TYPE_CHECKING:
     from plugtrain.testing.runs import tiny_run as tiny_run
     from plugtrain.testing.s3 import S3Server as S3Server
     from plugtrain.testing.storage import SMALL_RUN_CONFIG as SMALL_RUN_CONFIG
+    from plugtrain.testing.storage import SMALL_TEMPLATE as SMALL_TEMPLATE
     from plugtrain.testing.storage import save_small_checkpoint as save_small_checkpoint
 else:
     from plugtrain.exports import front_door

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from plugtrain import sample
 from plugtrain.config import JobConfig
 from plugtrain.data import (
+    ChatEncoder,
     ChatOptions,
+    ChatTemplate,
     DevicePrefetcher,
     MixtureDataset,
     PackedDataset,
@@ -43,6 +45,9 @@ class TrainingData:
     batches: SkippingLoader
     """Each step's microbatches of the training samples, on the device, the skipped ranges
     left out."""
+    chat_template: ChatTemplate | None = None
+    """The chat template the training data was rendered with (saved with each checkpoint, for
+    ``export-hf`` and ``generate --chat``); None for text, or when it cannot be told."""
 
 
 def open_training_data(config: JobConfig, dims: ParallelDims, control: RunControl) -> TrainingData:
@@ -50,7 +55,7 @@ def open_training_data(config: JobConfig, dims: ParallelDims, control: RunContro
     skipped ranges are left out of the batches. Resolves ``model.attention`` "auto" from the
     data (``config.resolve_attention``), before the model is built."""
     train_cfg = config.training
-    train = _train_dataset(config, dims)
+    train, chat_template = _train_dataset(config, dims)
     validation = None
     if config.validation.interval:
         path, key = config.data.validation_path, "data.validation_path"
@@ -72,11 +77,14 @@ def open_training_data(config: JobConfig, dims: ParallelDims, control: RunContro
         shuffle=config.data.shuffle,
     )
     batches = SkippingLoader(DevicePrefetcher(loader, dims.device), control.skip_ranges)
-    return TrainingData(train, validation, batches)
+    return TrainingData(train, validation, batches, chat_template)
 
 
-def _train_dataset(config: JobConfig, dims: ParallelDims) -> PackedDataset | MixtureDataset:
-    """``data.train_path``'s samples, or the mixture of ``data.sources`` when set."""
+def _train_dataset(
+    config: JobConfig, dims: ParallelDims
+) -> tuple[PackedDataset | MixtureDataset, ChatTemplate | None]:
+    """``data.train_path``'s samples, or the mixture of ``data.sources`` when set, and the
+    chat template they were rendered with."""
     data = config.data
     named = [(s["path"], f"data.sources[{i}]") for i, s in enumerate(data.sources)]
     named = named or [(data.train_path, "data.train_path")]
@@ -84,15 +92,57 @@ def _train_dataset(config: JobConfig, dims: ParallelDims) -> PackedDataset | Mix
     # Read before the model is built, so that "auto" attention can follow the data.
     config.resolve_attention(chat=any(store.chat is not None for store in stores))
     datasets = [_packed(config, store, *where) for store, where in zip(stores, named, strict=True)]
+    template = _chat_template(config, dims, stores, named)
     if not data.sources:
-        return datasets[0]
-    return MixtureDataset(
+        return datasets[0], template
+    mixture = MixtureDataset(
         datasets,
         [s.get("weight", 1.0) for s in data.sources],
         data.source_names(),
         seed=config.training.seed,
         shuffle=data.shuffle,
     )
+    return mixture, template
+
+
+def _chat_template(
+    config: JobConfig, dims: ParallelDims, stores: list[TokenStore], named: list[tuple[str, str]]
+) -> ChatTemplate | None:
+    """The chat template of the chat ``stores`` (config keys ``named``): the one each
+    manifest holds; for a folder prepared before manifests held it, the template
+    ``data.chat_template`` gives if the folder's hash is its. None for text, and when one
+    cannot be told (said in a line); several are said in a line, and the first is recorded."""
+    found: dict[str, ChatTemplate | None] = {}
+    for store, (path, key) in zip(stores, named, strict=True):
+        chat, where = store.chat, f"{key} '{path}'"
+        if chat is None:
+            continue
+        if "template_source" in chat:
+            source, record = chat["template_source"], chat["template_record"]
+            found[where] = ChatTemplate.from_record(source, record, where, origin=record["origin"])
+            continue
+        tokenizer = sample.resolve(config.model.tokenizer_path)
+        own = ChatTemplate.for_tokenizer(tokenizer, config.data.chat_template)
+        same = ChatEncoder(own).key()["chat_template_sha256"] == chat.get("chat_template_sha256")
+        found[where] = own if same else None
+    if unknown := [where for where, template in found.items() if template is None]:
+        if dims.is_main:
+            logger.warning(
+                "%s was prepared with a chat template the run cannot read back: checkpoints do "
+                "not record it, and export-hf writes the tokenizer's; prepare it again to "
+                "record it",
+                unknown[0],
+            )
+        return None
+    templates = {t.sha256: t for t in found.values() if t is not None}
+    if dims.is_main and len(templates) > 1:
+        logger.warning(
+            "the chat data was rendered with %d different chat templates (%s): checkpoints "
+            "record the first's, which export-hf and generate --chat use",
+            len(templates),
+            ", ".join(found),
+        )
+    return next(iter(templates.values()), None)
 
 
 def _store(config: JobConfig, dims: ParallelDims, path: str, key: str) -> TokenStore:

@@ -136,6 +136,7 @@ class Trainer:
         self.control = RunControl()
         data = open_training_data(self.config, self.parallel_dims, self.control)
         self.train_data, self.val_data, self.batches = data.train, data.validation, data.batches
+        self.chat_template = data.chat_template
 
     def _build_model(self) -> None:
         """The run's loss (``training.loss``), then the model: built on the meta device,
@@ -196,6 +197,7 @@ class Trainer:
             states={"lr_scheduler": self.lr_scheduler, "data": self.batches, "train": self},
             host=self.host,
             run_config=config.to_dict(),
+            chat_template=self.chat_template,
         )
         folder, dims = config.job.records_folder, self.parallel_dims
         self.requests = RunRequests(self.control, self.batches, self.checkpointer, folder, dims)

@@ -1,7 +1,8 @@
 """Writes each checkpoint (or the last) as a Hugging Face Llama folder, ``step-<N>/hf/``.
 
 The folder is what ``plugtrain export-hf step-<N>`` writes, byte for byte: ``model.safetensors``
-(or shards), ``config.json``, ``generation_config.json`` and the tokenizer, loadable by
+(or shards), ``config.json``, ``generation_config.json`` and the tokenizer (with the chat
+template a chat run trained with), loadable by
 ``transformers.LlamaForCausalLM`` and ``AutoTokenizer`` with no other file. Rank 0 reads the
 committed checkpoint one tensor at a time, so the export holds one tensor in memory, needs no
 collective, and exports what was saved at step N even when an asynchronous save lets training
