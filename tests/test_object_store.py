@@ -162,6 +162,18 @@ def test_an_unreachable_store_is_refused_in_one_line(s3_server):
     open_storage(url, s3_server.endpoint).check()  # the same URL, reachable
 
 
+def test_the_endpoint_is_read_from_the_environment_each_time_a_store_is_opened(
+    s3_server, monkeypatch
+):
+    # The same URL opened with the environment's endpoint (no checkpoint.endpoint_url), then
+    # after AWS_ENDPOINT_URL moved to a dead port: the second store must not reach the first.
+    url = s3_server.url("moved")
+    open_storage(url, retries=0).check()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(CheckpointError, match="cannot reach the checkpoint store"):
+        open_storage(url, retries=0).check()
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

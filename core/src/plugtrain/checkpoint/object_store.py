@@ -180,6 +180,9 @@ class FsspecStorage(CheckpointStorage):
             options["use_listings_cache"] = False
             if endpoint_url:
                 options["endpoint_url"] = endpoint_url
+            # fsspec caches instances by their arguments, not by the environment they read
+            # (AWS_ENDPOINT_URL, the credentials): a cached one would reach an old endpoint.
+            options["skip_instance_cache"] = True
         self.fs, root = fsspec.url_to_fs(self.url, **options)
         if hasattr(self.fs, "retries"):
             self.fs.retries = 1  # s3fs's own retry loop, replaced by ours
