@@ -12,9 +12,10 @@ from plugtrain.plugin import full_tensor
 from plugtrain.testing import make_trainer, read_metrics, run_distributed
 
 STEPS = 4
-# Measured: the 2-process parameters are within 4e-7 of the reference after 4 steps; clipping
+# Measured: the 2-process parameters are within 4e-7 of the reference after 4 steps on an AVX2
+# CPU, 1.1e-6 on an AVX512 one (its kernels round otherwise, by thread count too); clipping
 # moves each parameter tensor by 1.4e-4 or more.
-RTOL, ATOL = 1e-5, 1e-6
+RTOL, ATOL = 1e-5, 5e-6
 BATCH = ("--training.batch_size", "8")
 
 

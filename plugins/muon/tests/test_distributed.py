@@ -27,7 +27,7 @@ SHAPES = [(7, 16), (24, 5), (16,)]
 TP2 = ("--parallelism.tp", "2")
 LAYOUTS = {2: (), 4: HSDP}
 """Each world size's layout: FSDP over 2 ranks, HSDP 2 replicas x 2 shards over 4."""
-CASES = [(2, "float32", 1e-5), (4, "float32", 1e-5), (2, "bfloat16", 1e-4), (2, "tp", 1e-5)]
+CASES = [(2, "float32", 1e-5), (4, "float32", 1e-5), (2, "bfloat16", 5e-3), (2, "tp", 1e-5)]
 """The runs (world size, ``muon.ns_dtype``, or ``tp``: TP 2 in float32) and their tolerance
 against 1 process. Under TP the iteration gathers each matrix over ``tp`` too (measured after
 4 steps: 1.0e-6; TP 2 x FSDP 2 on 4 processes, run once by hand, the same 1.0e-6). In a run,
@@ -35,7 +35,10 @@ the ranks' gradients differ from 1 process's in the reduce's last bits (measured
 196 elements in 155808, by up to 7.5e-9, as under AdamW). A float32 iteration keeps that at
 fp32 rounding (measured after 4 steps: 1.2e-7 on 2 processes, 8.6e-7 on 4; AdamW 1.2e-7). In
 bfloat16, where it flips the rounding of an update element, the parameter moves by lr x
-lr_ratio x one bfloat16 step (4.4e-5 on 2 processes, 239 elements above 1e-5); on 4, where
+lr_ratio x one bfloat16 step (4.4e-5 on 2 processes, 239 elements above 1e-5, on an AVX2
+CPU; where bfloat16 matmuls run on AMX, which rounds them otherwise, 3.8e-4 to 1.8e-3 from
+one run to the next), below the least any matrix moves in these 4 steps (1.4e-2): the float32
+cases check the layout, this one that a bfloat16 iteration runs there; on 4, where
 the replicas' all-reduce adds its own rounding, the next steps' gradients differ by more
 than the last bits and the bfloat16 iteration compounds it (1.35e-3 after 4 steps): not
 checked."""
