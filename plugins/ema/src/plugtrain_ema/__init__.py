@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -265,6 +266,8 @@ class Ema:
         partial = target.with_name(target.name + ".partial")
         if self.rank == 0 and partial.exists():  # left by a crash while exporting
             shutil.rmtree(partial)
+        if dist.is_initialized():  # no rank writes there before the leftover is gone
+            dist.barrier()
         dcp.save({"model": average}, checkpoint_id=partial)
         if self.rank == 0:  # DCP's coordinator: its save returns once the folder is complete
             partial.rename(target)
