@@ -194,7 +194,8 @@ def write_json(path: Path, name: str, args: argparse.Namespace, results: Any) ->
 def trainer_args(
     flavor: str, dtype: str, *extra: str, batch_size: int = 8, seq_len: int = 128
 ) -> list[str]:
-    """``train.py`` arguments for a benchmark run: no validation, no logging, small data file.
+    """``train.py`` arguments for a benchmark run: no validation, no logging, no final
+    checkpoint, small data file.
 
     NOTE: trains on the validation split, which tokenises in a fraction of the training
     split's time; the benchmarks measure steps, not what the data says.
@@ -208,5 +209,6 @@ def trainer_args(
         "--training.seq_len", str(seq_len),
         "--training.mixed_precision_param", dtype,
         "--validation.interval", "0",
+        "--checkpoint.save_final", "false",
         *extra,
     ]  # fmt: skip

@@ -99,6 +99,7 @@ def train_once(folder: Path, run: Path, flavor: str, steps: int = 1) -> dict[str
         "--training.seq_len", "128",
         "--validation.interval", "0",
         "--metrics.log_freq", "1",
+        "--checkpoint.save_final", "false",
     ]  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-c", RUN_AND_MEASURE, *args], capture_output=True, text=True, check=True

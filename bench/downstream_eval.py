@@ -43,7 +43,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "run"
         argv = ["--job.dump_folder", str(folder), "--plugins.enabled", NAME,
-                "--metrics.trace_hooks", "true"]  # fmt: skip
+                "--metrics.trace_hooks", "true", "--checkpoint.save_final", "false"]  # fmt: skip
         if args.quick:
             argv += ["--training.steps", "20", "--validation.interval", "10"]
         configured = configure(argv)

@@ -40,6 +40,7 @@ def train(folder: Path, optimizer: str, lr: float, steps: int) -> dict[str, floa
     """One run of the default config with ``optimizer`` at peak ``lr``; its final numbers."""
     key, _ = SWEEP[optimizer]
     argv = ["--job.dump_folder", str(folder), f"--{key}", str(lr)]
+    argv += ["--checkpoint.save_final", "false"]  # the sweep times steps, not a save
     if optimizer == "muon":
         argv += ["--plugins.enabled", "muon"]
     if steps != 200:  # the default run's length: its validation every 50 steps

@@ -207,6 +207,22 @@ def test_an_unreachable_store_is_refused_before_step_1(s3_server, tmp_path, caps
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_a_run_without_checkpoint_enable_saves_its_last_step_to_the_url(
+    s3_server, tmp_path, capsys
+):
+    url = s3_server.url("final")
+    args = tiny_args(url, "--checkpoint.save_final", "true", "--job.local_folder", str(tmp_path),
+                     "--checkpoint.endpoint_url", s3_server.endpoint, steps=2)  # fmt: skip
+    assert train(args) == 0
+    assert open_storage(url, s3_server.endpoint).steps() == [2]
+    assert json.loads((tmp_path / "run.json").read_text())["checkpoints"] == f"{url}/checkpoints"
+    capsys.readouterr()
+    assert train(args) == 2  # a second such run would save beside it
+    assert f"but {url}/checkpoints holds checkpoints of an earlier run (steps 2): add" in (
+        capsys.readouterr().err
+    )
+
+
 def test_the_docs_try_it_locally_block_runs_as_written(doc_block, repo, train_py, tmp_path):
     """docs/checkpoints.md's moto block, pasted into bash in a fresh folder (on a free port):
     a run to the bucket, its resume from there, the checkpoints listed and read back."""

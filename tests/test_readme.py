@@ -63,6 +63,7 @@ def test_the_run_described_is_the_default_run(repo, readme):
     assert f"{train.steps} steps of {train.batch_size} x {train.seq_len} tokens" in readme
     assert f"a line {every.format(MetricsConfig().log_freq)}" in readme
     assert f"held-out plays {every.format(ValidationConfig().interval)}" in readme
+    assert f"outputs/run/checkpoints/step-{train.steps}/" in readme
     checkpoints = (repo / "docs" / "checkpoints.md").read_text()
     assert f"`checkpoint.keep_latest_k` (default {CheckpointConfig().keep_latest_k}," in checkpoints
 
@@ -86,7 +87,8 @@ def test_the_sample_lines_figures_agree_with_each_other(observability):
 @pytest.mark.slow
 def test_the_sample_line_is_the_default_runs_first_step(tmp_path, repo, observability, monkeypatch):
     """Its loss and learning rate are those of ``python train.py``'s first step, and it has
-    the fields, in order, that the console prints."""
+    the fields, in order, that the console prints. The run leaves a checkpoint that
+    ``plugtrain generate DUMP_FOLDER --prompt ...`` reads with no other flag."""
     monkeypatch.chdir(repo)  # the default config's paths are relative to the repository
     configured = configure(
         ["--job.dump_folder", str(tmp_path), "--training.steps", "1", "--validation.interval", "0"]
@@ -99,6 +101,7 @@ def test_the_sample_line_is_the_default_runs_first_step(tmp_path, repo, observab
     assert {k: fields(sample)[k] for k in ("step", "loss", "lr")} == {
         k: fields(printed)[k] for k in ("step", "loss", "lr")
     }
+    assert plugtrain.cli.main(["generate", str(tmp_path), "--prompt", "ROMEO:"]) == 0
 
 
 # -- the pages' shell commands ------------------------------------------------------------------

@@ -42,8 +42,19 @@ def choose(
 ) -> tuple[int | None, list[int]]:
     """The step to resume from (None: start afresh) of the complete checkpoints ``available``
     (oldest first) at ``location``, and the later ones, which ``checkpoint.discard_later``
-    deletes and a start without it refuses to overwrite."""
+    deletes and a start without it refuses to overwrite. Without ``checkpoint.enable`` (a run
+    that saves its last step alone, ``checkpoint.save_final``) every one is later: the run
+    neither resumes them nor could tell them from its own."""
     load_step = config.load_step
+    if not config.enable:
+        if available and not config.discard_later:
+            raise CheckpointError(
+                f"checkpoint.enable is off (start afresh, save the last step), but {location} "
+                f"holds checkpoints of an earlier run (steps {', '.join(map(str, available))}): "
+                f"add --checkpoint.enable true to resume from step {available[-1]}, train in "
+                "another job.dump_folder, or add --checkpoint.discard_later true to delete them"
+            )
+        return None, list(available)
     if load_step == 0:
         chosen = None
     elif load_step > 0:

@@ -25,6 +25,11 @@ Resuming reshards: the model and optimizer may be loaded on another number of ra
 data loader's position does not depend on it; only the RNG streams of ranks the checkpoint did
 not have start afresh.
 
+Without ``checkpoint.enable`` a run saves its last step alone (``checkpoint.save_final``), the
+same checkpoint, so that every run leaves a model to generate from, export and evaluate; it
+refuses a dump folder that already holds checkpoints (unless ``checkpoint.discard_later``),
+which it would neither resume nor keep apart from its own.
+
 A run deletes only checkpoints it wrote itself (the ``keep_latest_k`` oldest) and crash
 leftovers. Starting afresh, or resuming from an earlier step, in a folder holding later complete
 checkpoints is refused unless ``checkpoint.discard_later`` asks to delete them; a save never
@@ -120,8 +125,9 @@ class CheckpointManager:
 
     The trainer calls :meth:`load` once, after plugin setup; :meth:`after_step` after every
     optimizer step (it saves when due); :meth:`close` at the end, or :meth:`abort` after an
-    error. With ``checkpoint.enable`` off, each is a no-op. Every method but :meth:`abort` is
-    collective: all ranks call it.
+    error. With ``checkpoint.enable`` off only the last step is saved
+    (``checkpoint.save_final``), and with both off each is a no-op. Every method but
+    :meth:`abort` is collective: all ranks call it.
     """
 
     def __init__(
@@ -157,7 +163,9 @@ class CheckpointManager:
         self._control_group: dist.ProcessGroup | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._faults = Fault.from_env(self.dims.rank)
-        if not self.config.enable:
+        self.saves = config.enable or config.save_final
+        """Whether the run saves any checkpoint (every one, or its last step's alone)."""
+        if not self.saves:
             return
         self.storage.check()
         if self.dims.world_size > 1:
@@ -174,8 +182,11 @@ class CheckpointManager:
 
     def after_step(self, step: int, stop: bool) -> None:
         """Save if ``step``, just taken, is due: every ``checkpoint.interval`` steps, the last
-        step, or the run stops after it (``stop``: a signal, see ``training/stop.py``)."""
+        step, or the run stops after it (``stop``: a signal, see ``training/stop.py``); with
+        ``checkpoint.enable`` off, the last step only (``checkpoint.save_final``)."""
         if not self.config.enable:
+            if self.config.save_final and step == self.total_steps:
+                self.save(step)
             return
         for fault in self._faults:
             fault.fire("after_step", step)
@@ -364,8 +375,9 @@ class CheckpointManager:
 
         Complete checkpoints after the one picked (all of them for ``load_step`` 0) belong to
         a run this one would overwrite: refused, or with ``checkpoint.discard_later`` deleted
-        once the resume has succeeded."""
-        if not self.config.enable:
+        once the resume has succeeded. With ``checkpoint.enable`` off nothing is resumed, and
+        to a run that saves its last step (``checkpoint.save_final``) every one there is later."""
+        if not self.saves:
             return
         # Every rank lists them itself: the storage shows all ranks the same.
         chosen, later = choose(self.config, self.storage.steps(), self.storage.location)
@@ -373,7 +385,7 @@ class CheckpointManager:
             self._load(chosen)
         elif self.config.load_step == 0:
             logger.info("starting afresh (checkpoint.load_step 0)")
-        else:
+        elif self.config.enable:
             logger.info(
                 "no checkpoint to resume from in %s: training from step 0", self.storage.location
             )
@@ -385,6 +397,12 @@ class CheckpointManager:
                     "deleted %s (checkpoint.discard_later)", ", ".join(f"step-{s}" for s in later)
                 )
             self._barrier(self._control_group)
+
+    @property
+    def destination(self) -> str | None:
+        """Where the run's checkpoints go (a folder or a URL, for its records); None if it
+        saves none."""
+        return str(self.storage.location) if self.saves else None
 
     def latest_at_most(self, at_most: int) -> int:
         """The step of the latest complete checkpoint at step ``at_most`` or earlier; a one-line

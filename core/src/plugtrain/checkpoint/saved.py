@@ -100,7 +100,8 @@ def locate_checkpoint(path: str | os.PathLike[str], endpoint_url: str = "") -> C
     if not steps:
         raise CheckpointError(
             f"no checkpoint at '{path}': give a run's dump folder (job.dump_folder, trained with "
-            "--checkpoint.enable true) that holds checkpoints/step-N, or one step-N folder"
+            "checkpoint.save_final or checkpoint.enable on) that holds checkpoints/step-N, or "
+            "one step-N folder"
         )
     return CheckpointFolder(storage, steps[-1])
 

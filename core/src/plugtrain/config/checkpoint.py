@@ -15,6 +15,13 @@ class CheckpointConfig:
     enable: bool = False
     """Save checkpoints to ``<job.dump_folder>/checkpoints/step-<N>/`` and resume from them: a
     run started again with the same dump folder continues where the last complete one left off."""
+    save_final: bool = True
+    """Save the run's last step (``training.steps``) even with ``enable`` off: a checkpoint like
+    the others (the model and all a resume needs), which ``plugtrain generate``, ``export-hf``
+    and ``eval`` read from the dump folder. With ``enable`` off a run stopped early saves
+    nothing, and a dump folder that already holds checkpoints is refused at start-up (resume
+    from them with ``enable``, train in another folder, or delete them with
+    ``discard_later``)."""
     interval: int = 500
     """Save every this many steps; a run also saves at its last step and when it stops on
     SIGTERM or SIGINT."""
@@ -27,8 +34,8 @@ class CheckpointConfig:
     folder holding later complete checkpoints is an error, unless ``discard_later`` is set."""
     discard_later: bool = False
     """Delete, at start-up, the complete checkpoints after the one ``load_step`` picks (with
-    ``load_step`` 0: all of them), written by an earlier run; without it such a start is
-    refused, since this run would overwrite them."""
+    ``load_step`` 0, or ``enable`` off and ``save_final`` on: all of them), written by an earlier
+    run; without it such a start is refused, since this run would overwrite them."""
     async_mode: Literal["disabled", "async"] = "disabled"
     """``async``: copy the state to CPU memory, then write it in a background thread while
     training goes on (``dcp.async_save``); ``disabled``: training waits for each save."""
@@ -68,9 +75,10 @@ class CheckpointConfig:
             "needs checkpoint.enable = true: add --checkpoint.enable true",
         )
         check_field(
-            self.enable or not self.discard_later,
+            self.enable or self.save_final or not self.discard_later,
             "discard_later",
-            "needs checkpoint.enable = true: add --checkpoint.enable true",
+            "deletes nothing with checkpoint.enable and checkpoint.save_final off: add "
+            "--checkpoint.enable true",
         )
         check_field(
             self.store_retries >= 0, "store_retries", f"must be >= 0, got {self.store_retries}"

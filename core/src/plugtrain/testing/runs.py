@@ -63,7 +63,8 @@ def tiny_args(dump_folder: str | Path, *extra: str, steps: int = 3) -> list[str]
     """Arguments for a run of the tiny model that takes about a second, then ``extra``.
 
     It trains on the (small) validation split to keep tokenisation fast, with validation off,
-    and logs every step.
+    logs every step and saves no checkpoint unless ``extra`` asks (``--checkpoint.enable true``,
+    or ``--checkpoint.save_final true``: the last step's alone, a run's default).
     """
     return [
         "--job.dump_folder", str(dump_folder),
@@ -76,6 +77,7 @@ def tiny_args(dump_folder: str | Path, *extra: str, steps: int = 3) -> list[str]
         "--lr_scheduler.warmup_steps", "1",
         "--validation.interval", "0",
         "--metrics.log_freq", "1",
+        "--checkpoint.save_final", "false",
         *extra,
     ]  # fmt: skip
 

@@ -222,9 +222,7 @@ class Trainer:
             resumed_from=self.checkpointer.resumed_from,
             initial_load=None if self.initial_load is None else self.initial_load.record(),
             lr_schedule_steps=self.lr_scheduler.total_steps,
-            checkpoints=(
-                str(self.checkpointer.storage.location) if config.checkpoint.enable else None
-            ),
+            checkpoints=self.checkpointer.destination,
         )
 
     def _transform_model(self, model: nn.Module) -> None:
