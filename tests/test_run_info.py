@@ -4,6 +4,7 @@ summary at the end with the commands to try next."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -13,7 +14,19 @@ import torch
 from plugtrain.checkpoint import complete_checkpoints, read_checkpoint
 from plugtrain.cli import main
 from plugtrain.commands.train import train
-from plugtrain.testing import make_trainer, read_metrics, tiny_args, tiny_run
+from plugtrain.config import JobConfig
+from plugtrain.data import (
+    ChatTemplate,
+    DevicePrefetcher,
+    PackedDataset,
+    SkippingLoader,
+    SkipRange,
+    StatefulBatchLoader,
+)
+from plugtrain.distributed import ParallelDims
+from plugtrain.testing import SAMPLE, make_trainer, read_metrics, run_script, tiny_args, tiny_run
+from plugtrain.testing.reference import InMemoryStream, packed_documents
+from plugtrain.training.run_info import boundary_note, run_setup, setup_lines
 
 FINAL = ("--checkpoint.save_final", "true")
 """What a run does by default, which the test kit's runs turn off."""
@@ -106,3 +119,130 @@ def test_it_saves_once_whatever_else_saves(tmp_path):
     tiny_run(tmp_path / "async", *FINAL, "--checkpoint.async_mode", "async", steps=2)
     assert list(complete_checkpoints(tmp_path / "async" / "checkpoints")) == [2]
     assert [r["step"] for r in read_metrics(tmp_path / "async")] == [1, 2]
+
+
+# -- the modes, at start-up and in run.json ---------------------------------------------------
+
+
+def start_up_lines(err: str) -> list[str]:
+    """The lines :class:`RunInfo` logs at start-up, from a run's stderr (without the time)."""
+    heads = ("attention: ", "layout: ", "loss on ", "document masking", "per-document")
+    lines = [line.split(" INFO ", 1)[-1] for line in err.splitlines()]
+    return [line for line in lines if line.startswith(heads)]
+
+
+def test_a_chat_run_names_its_modes_and_run_json_records_them(tmp_path, capsys):
+    tiny_run(tmp_path, "--data.train_path", str(SAMPLE / "chat_validation.jsonl"), steps=1)
+    template = ChatTemplate.for_tokenizer(SAMPLE / "tokenizer.json")
+    lines = start_up_lines(capsys.readouterr().err)
+    assert lines[:3] == [
+        "attention: document masking (sdpa, boolean mask); RoPE positions restart at each document",
+        "layout: 1 x 1 x 1 (dp_replicate x dp_shard x tp)",
+        "loss on the assistant's tokens only (data.chat_loss); chat template: plugtrain's default "
+        f"chat template (sha256 {template.sha256[:12]})",
+    ]
+    # Packed conversations share rows: the masking takes effect.
+    (note,) = lines[3:]
+    assert note.startswith("document masking and per-document positions: ")
+    assert note.endswith(" of the first 4 rows hold several documents")
+    assert json.loads((tmp_path / "run.json").read_text())["setup"] == {
+        "attention": "document",
+        "attention_kernel": "sdpa, boolean mask",
+        "positions": "per document",
+        "layout": {"dp_replicate": 1, "dp_shard": 1, "tp": 1},
+        "loss_mask": "assistant",
+        "chat_template": template.record(),
+    }
+
+
+def test_document_masking_that_changes_nothing_says_so(tmp_path, capsys):
+    # The sample's plays are far longer than a row: no row of the first batch holds two.
+    tiny_run(tmp_path, "--model.attention", "document", steps=1)
+    assert start_up_lines(capsys.readouterr().err) == [
+        "attention: document masking (sdpa, boolean mask); RoPE positions restart at each document",
+        "layout: 1 x 1 x 1 (dp_replicate x dp_shard x tp)",
+        "loss on every token; chat template: none",
+        "document masking and per-document positions: none of the first 4 rows crosses a "
+        "document boundary, so nothing changes there (the documents are long next to "
+        "training.seq_len 32)",
+    ]
+    setup = json.loads((tmp_path / "run.json").read_text())["setup"]
+    assert (setup["loss_mask"], setup["chat_template"]) == ("none", None)
+
+
+def test_the_lines_follow_the_layout_the_device_and_the_options():
+    config = JobConfig()
+    config.resolve_attention(chat=False)
+    dims = ParallelDims(dp_replicate=2, dp_shard=3, tp=2, device=torch.device("cuda"))
+    assert setup_lines(run_setup(config, dims, False, None))[:2] == [
+        "attention: causal across packed documents (sdpa); RoPE positions run on across documents",
+        "layout: 2 x 3 x 2 (dp_replicate x dp_shard x tp)",
+    ]
+    config = JobConfig()
+    config.model.attention = "document"
+    config.resolve_attention(chat=False)
+    # On CUDA document masking runs through flex attention (model/attention.py).
+    assert setup_lines(run_setup(config, dims, False, None))[0] == (
+        "attention: document masking (flex attention); RoPE positions restart at each document"
+    )
+
+
+def test_the_docs_show_the_default_runs_lines(doc_block, repo):
+    config = JobConfig()  # python train.py's
+    config.resolve_attention(chat=False)
+    lines = setup_lines(run_setup(config, ParallelDims(), False, None))
+    assert doc_block(repo / "docs" / "observability.md", "start-up lines").splitlines() == lines
+
+
+def test_the_note_counts_the_rows_that_hold_several_documents():
+    one_each = packed_documents([[8], [8], [8]], vocab_size=50)
+    assert boundary_note("document masking", [one_each], 8).startswith(
+        "document masking: none of the first 3 rows crosses a document boundary"
+    )
+    two = packed_documents([[3, 5], [8]], vocab_size=50)
+    positions_only = two._replace(documents=None)  # data.reset_positions without masking
+    assert (
+        boundary_note("x", [two, one_each], 8) == "x: 1 of the first 5 rows hold several documents"
+    )
+    assert (
+        boundary_note("x", [positions_only], 8) == "x: 1 of the first 2 rows hold several documents"
+    )
+
+
+def test_a_peek_is_the_next_batch_and_moves_nothing():
+    dataset = PackedDataset(InMemoryStream(torch.arange(200, dtype=torch.int32)), 3)
+
+    def batches() -> SkippingLoader:
+        loader = StatefulBatchLoader(
+            dataset, global_batch_size=2, grad_accum_steps=1, rank=0, world_size=1, seed=0
+        )
+        return SkippingLoader(DevicePrefetcher(loader, torch.device("cpu")), [SkipRange(1, 1, "")])
+
+    peeked, plain = batches(), batches()
+    first = peeked.peek()  # batch 2: batch 1 is skipped
+    assert peeked.next_batch() is first
+    for _ in range(2):
+        theirs = plain.next_batch()[0].inputs
+        assert torch.equal(theirs, first[0].inputs)
+        state, their_state = peeked.state_dict(), plain.state_dict()
+        assert state.keys() == their_state.keys()
+        assert all(
+            torch.equal(torch.as_tensor(state[k]), torch.as_tensor(their_state[k])) for k in state
+        )
+        first = peeked.next_batch()
+
+
+@pytest.mark.slow
+def test_two_processes_say_it_once_with_their_layout(tmp_path, train_py):
+    # Every rank logs (rank 1 prefixed): the run's own lines come from rank 0 alone all the same.
+    args = tiny_args(tmp_path, "--metrics.log_all_ranks", "true", steps=2)
+    result = run_script(train_py, ["--nproc-per-node", "2", *args])
+    assert "[rank 1] " in result.stderr
+    assert result.returncode == 0, result.stderr
+    assert start_up_lines(result.stderr) == [
+        "attention: causal across packed documents (sdpa); RoPE positions run on across documents",
+        "layout: 1 x 2 x 1 (dp_replicate x dp_shard x tp)",
+        "loss on every token; chat template: none",
+    ]
+    setup = json.loads((tmp_path / "run.json").read_text())["setup"]
+    assert setup["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1}

@@ -41,6 +41,12 @@ class DevicePrefetcher:
             state = self.loader.state_dict()
             self._ahead = (state, [self._to_device(mb) for mb in self.loader.next_batch()])
 
+    def peek(self) -> list[MicroBatch]:
+        """The microbatches :meth:`next_batch` hands out next, drawn now if they are not yet."""
+        self.prefetch()
+        assert self._ahead is not None
+        return self._ahead[1]
+
     def _to_device(self, microbatch: MicroBatch) -> MicroBatch:
         return microbatch.to(self.device, pin=self._pin)
 

@@ -67,6 +67,7 @@ _KEYS = ("batches_drawn", "skip_ranges")
 
 class BatchLoader(Protocol):
     def next_batch(self) -> Any: ...
+    def peek(self) -> Any: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
@@ -91,6 +92,14 @@ class SkippingLoader:
             self.drawn += 1
         self.drawn += 1
         return self.inner.next_batch()
+
+    def peek(self) -> Any:
+        """The batch :meth:`next_batch` returns next, drawn now (the skipped ones before it are
+        drawn too, as :meth:`next_batch` would have)."""
+        while self._skipped(self.drawn + 1):
+            self.inner.next_batch()
+            self.drawn += 1
+        return self.inner.peek()
 
     def prefetch(self) -> None:
         """Let the inner loader draw ahead, if it does (:class:`DevicePrefetcher`)."""

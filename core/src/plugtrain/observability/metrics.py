@@ -367,6 +367,7 @@ def write_run_records(
     lr_schedule_steps: int | None = None,
     initial_load: Mapping[str, Any] | None = None,
     checkpoints: str | None = None,
+    setup: Mapping[str, Any] | None = None,
 ) -> None:
     """Write ``config.json`` (the resolved config) and ``run.json`` to the dump folder (the
     local one, ``job.local_folder``, when ``job.dump_folder`` is a URL).
@@ -379,6 +380,8 @@ def write_run_records(
     weights came from (``checkpoint.initial_load_path``: ``kind``, ``path``, the Hugging Face
     ``model`` or the checkpoint's ``step``, the sha256 of its ``config.json``).
     ``checkpoints`` is where the run's checkpoints go (a folder or a URL; None: none saved).
+    ``setup`` is the modes the run trains in (``training.run_info.run_setup``: attention,
+    positions, parallel layout, loss mask, chat template).
     """
     folder = Path(config.job.records_folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -396,6 +399,7 @@ def write_run_records(
         "lr_schedule_steps": lr_schedule_steps,
         "initial_load": dict(initial_load) if initial_load is not None else None,
         "checkpoints": checkpoints,
+        "setup": dict(setup) if setup is not None else None,
     }
     for name, data in (("config.json", config.to_dict()), ("run.json", run)):
         (folder / name).write_text(json.dumps(data, indent=2) + "\n")

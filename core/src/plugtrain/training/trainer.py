@@ -6,8 +6,8 @@ sub-packages ``model`` (the transformer, sharded with FSDP2), ``data``, ``checkp
 ``observability`` (metrics, timing, the hook trace) and ``host`` (the plugins), and from this
 package's ``run_data`` (the datasets and batches), ``loss`` (the loss, chosen once), ``step``
 (each microbatch's forward and backward), ``validation``, ``optim`` (optimizer, LR schedule),
-``vetoes``, ``run_log``, ``requests`` and ``stop``. The trainer keeps the build order, the
-schedule of steps, validations and checkpoints, and the stop.
+``vetoes``, ``run_log``, ``run_info``, ``requests`` and ``stop``. The trainer keeps the build
+order, the schedule of steps, validations and checkpoints, and the stop.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from plugtrain.training.loss_terms import LossTerms
 from plugtrain.training.optim import LRSchedule, build_optimizer, plugin_optimizer
 from plugtrain.training.requests import RunRequests
 from plugtrain.training.run_data import open_training_data
+from plugtrain.training.run_info import RunInfo
 from plugtrain.training.run_log import RunLog
 from plugtrain.training.step import StepRunner
 from plugtrain.training.stop import StopSignals
@@ -177,6 +178,7 @@ class Trainer:
         self.metrics = MetricsLogger(config, enabled=dims.is_main)
         self.timer = StepTimer(self.device)
         self.log = RunLog(config, dims, self.model_spec, self.model_args, self.param_dtype)
+        self.info = RunInfo(config, dims, self.train_data, self.chat_template)
         self.tracer: HookTracer | None = None
         if tracing_requested(config.metrics.trace_hooks):
             self.tracer = HookTracer.install(self.host, config.job.records_folder, dims.rank)
@@ -223,6 +225,7 @@ class Trainer:
             initial_load=None if self.initial_load is None else self.initial_load.record(),
             lr_schedule_steps=self.lr_scheduler.total_steps,
             checkpoints=self.checkpointer.destination,
+            setup=self.info.setup,
         )
 
     def _transform_model(self, model: nn.Module) -> None:
@@ -260,12 +263,8 @@ class Trainer:
             self.host.results("build_optimizer", ctx=ctx), self.params, self.device
         )
         if built is None:
-            builder, optimizer = (
-                "core",
-                build_optimizer(self.model, self.config.optimizer, self.device),
-            )
-        else:
-            builder, optimizer = built
+            return build_optimizer(self.model, self.config.optimizer, self.device), "core"
+        builder, optimizer = built
         return optimizer, builder
 
     def _setup_plugins(self) -> None:
@@ -367,6 +366,7 @@ class Trainer:
             self.log.complete(self.step)
             return
         self.log.start(self.model, self.optimizer, self.optimizer_builder)
+        self.info.start(self.batches)
         self.model.train()
         self.stop.install()
         while self.step < cfg.training.steps:
