@@ -171,11 +171,11 @@ def test_rerunning_a_finished_run_says_so_and_writes_nothing(tmp_path, capsys):
     capsys.readouterr()
     assert run_cli(lambda: Trainer(*configure(args)).run()) == 0
     assert files() == before
-    assert (
-        capsys.readouterr()
-        .err.splitlines()[-1]
-        .endswith(
-            f"INFO the run in {tmp_path} is already complete at step 2: nothing to do (to train "
-            "further, raise training.steps)"
-        )
+    said = [line.split(" INFO ", 1)[-1] for line in capsys.readouterr().err.splitlines()]
+    done = said.index(
+        f"the run in {tmp_path} is already complete at step 2: nothing to do (to train further, "
+        "raise training.steps)"
     )
+    # Then the summary, as at the end of the run: its checkpoint and what to do with it.
+    assert said[done + 1].startswith("run ends at step 2 of 2; ")
+    assert said[-1].startswith("next: plugtrain eval ")

@@ -215,8 +215,10 @@ def test_a_run_without_checkpoint_enable_saves_its_last_step_to_the_url(
                      "--checkpoint.endpoint_url", s3_server.endpoint, steps=2)  # fmt: skip
     assert train(args) == 0
     assert open_storage(url, s3_server.endpoint).steps() == [2]
+    err = capsys.readouterr().err
+    assert f"INFO checkpoint {url}/checkpoints/step-2; metrics {tmp_path}/metrics.jsonl\n" in err
+    assert f"INFO next: AWS_ENDPOINT_URL_S3={s3_server.endpoint} plugtrain generate {url} " in err
     assert json.loads((tmp_path / "run.json").read_text())["checkpoints"] == f"{url}/checkpoints"
-    capsys.readouterr()
     assert train(args) == 2  # a second such run would save beside it
     assert f"but {url}/checkpoints holds checkpoints of an earlier run (steps 2): add" in (
         capsys.readouterr().err

@@ -5,12 +5,14 @@ summary at the end with the commands to try next."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+import plugtrain.cli
 from plugtrain.checkpoint import complete_checkpoints, read_checkpoint
 from plugtrain.cli import main
 from plugtrain.commands.train import train
@@ -26,7 +28,14 @@ from plugtrain.data import (
 from plugtrain.distributed import ParallelDims
 from plugtrain.testing import SAMPLE, make_trainer, read_metrics, run_script, tiny_args, tiny_run
 from plugtrain.testing.reference import InMemoryStream, packed_documents
-from plugtrain.training.run_info import boundary_note, run_setup, setup_lines
+from plugtrain.training import configure
+from plugtrain.training.run_info import (
+    boundary_note,
+    next_commands,
+    run_setup,
+    setup_lines,
+    summary_lines,
+)
 
 FINAL = ("--checkpoint.save_final", "true")
 """What a run does by default, which the test kit's runs turn off."""
@@ -232,10 +241,86 @@ def test_a_peek_is_the_next_batch_and_moves_nothing():
         first = peeked.next_batch()
 
 
+# -- the summary at the end -------------------------------------------------------------------
+
+
+def summary(err: str) -> list[str]:
+    """The lines that end a run, from its stderr (without the time)."""
+    lines = [line.split(" INFO ", 1)[-1] for line in err.splitlines()]
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("run ends at ")) :]
+
+
+def test_the_run_ends_with_where_it_is_and_commands_that_run_as_pasted(tmp_path, capsys):
+    folder = tmp_path / "a run"  # a space, quoted in the commands
+    validation = ("--validation.interval", "2", "--validation.steps", "1")
+    tiny_run(folder, *FINAL, *validation, "--optimizer.lr", "0.05", steps=5)
+    records = [
+        (r["step"], r["validation_loss"]) for r in read_metrics(folder) if "validation_loss" in r
+    ]
+    assert [step for step, _ in records] == [2, 4, 5]
+    last, best = records[-1], min(records, key=lambda r: r[1])
+    lines = summary(capsys.readouterr().err)
+    assert lines[:2] == [
+        f"run ends at step 5 of 5; validation loss {last[1]:.4f} at step 5, best {best[1]:.4f} "
+        f"at step {best[0]}",
+        f"checkpoint {folder / 'checkpoints' / 'step-5'}; metrics {folder / 'metrics.jsonl'}",
+    ]
+    quoted = shlex.quote(str(folder))
+    assert lines[2:] == [
+        f'next: plugtrain generate {quoted} --prompt "ROMEO:"',
+        f"next: plugtrain export-hf {quoted} -o {shlex.quote(f'{folder}-hf')}",
+        f"next: plugtrain eval {quoted} --tasks sample:cloze.jsonl",
+    ]
+    argv = shlex.split(lines[2].removeprefix("next: "))
+    assert main([*argv[1:], "--max-new-tokens", "4"]) == 0 and capsys.readouterr().out
+
+
+def test_without_a_checkpoint_it_says_so_and_suggests_nothing(tmp_path, capsys):
+    tiny_run(tmp_path, steps=2)  # the kit's runs save nothing
+    assert summary(capsys.readouterr().err) == [
+        "run ends at step 2 of 2; no validation loss (validation.interval is 0)",
+        f"metrics {tmp_path / 'metrics.jsonl'}; no checkpoint (checkpoint.save_final saves the "
+        "last step, checkpoint.enable every checkpoint.interval steps and on a stop)",
+    ]
+
+
+def test_the_docs_show_the_default_runs_end(doc_block, repo):
+    # Its validation losses at steps 150 and 200 (docs/benchmarks/muon.md: 4.950, 4.8609).
+    run = Path("outputs/run")
+    lines = summary_lines(
+        JobConfig(), 200, [(150, 4.95), (200, 4.8609)], run / "checkpoints" / "step-200",
+        run / "metrics.jsonl", chat=False,
+    )  # fmt: skip
+    assert doc_block(repo / "docs" / "observability.md", "end lines").splitlines() == lines
+
+
+def test_the_commands_follow_the_store_the_data_and_the_tasks(monkeypatch):
+    url, local, endpoint = "s3://bucket/runs/a", "out/a b", "http://127.0.0.1:9000"
+    config, _ = configure([
+        "--job.dump_folder", url, "--job.local_folder", local,
+        "--checkpoint.endpoint_url", endpoint,
+        "--plugins.enabled", "downstream_eval",
+        "--downstream_eval.tasks", "sample:cloze.jsonl,my tasks.jsonl",
+    ])  # fmt: skip
+    env = f"AWS_ENDPOINT_URL_S3={endpoint}"
+    commands = next_commands(config, chat=True)
+    assert commands == [
+        f'{env} plugtrain generate {url} --chat --prompt "Hello"',
+        f"{env} plugtrain export-hf {url} -o 'out/a b-hf'",
+        f"{env} plugtrain eval {url} --tasks sample:cloze.jsonl 'my tasks.jsonl'",
+    ]
+    ran = []
+    monkeypatch.setattr(plugtrain.cli, "run_cli", lambda main: ran.append(main) or 0)
+    for command in commands:  # each parses as the command it names
+        argv = shlex.split(command)
+        assert argv[0] == env and plugtrain.cli.command(argv[2:]) == 0
+    assert len(ran) == 3
+
+
 @pytest.mark.slow
-def test_two_processes_say_it_once_with_their_layout(tmp_path, train_py):
+def test_two_processes_say_it_once_with_their_layout_and_leave_a_checkpoint(tmp_path, train_py):
     # Every rank logs (rank 1 prefixed): the run's own lines come from rank 0 alone all the same.
-    args = tiny_args(tmp_path, "--metrics.log_all_ranks", "true", steps=2)
+    args = tiny_args(tmp_path, *FINAL, "--metrics.log_all_ranks", "true", steps=2)
     result = run_script(train_py, ["--nproc-per-node", "2", *args])
     assert "[rank 1] " in result.stderr
     assert result.returncode == 0, result.stderr
@@ -246,3 +331,8 @@ def test_two_processes_say_it_once_with_their_layout(tmp_path, train_py):
     ]
     setup = json.loads((tmp_path / "run.json").read_text())["setup"]
     assert setup["layout"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1}
+    # The summary, once; its first command reads the checkpoint both ranks saved.
+    lines = summary(result.stderr)
+    assert [line.startswith("next: ") for line in lines] == [False] * 2 + [True] * 3
+    assert lines[1].startswith(f"checkpoint {tmp_path / 'checkpoints' / 'step-2'}; ")
+    assert main([*shlex.split(lines[2].removeprefix("next: "))[1:], "--max-new-tokens", "4"]) == 0

@@ -44,6 +44,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -403,6 +404,14 @@ class CheckpointManager:
         """Where the run's checkpoints go (a folder or a URL, for its records); None if it
         saves none."""
         return str(self.storage.location) if self.saves else None
+
+    def latest(self) -> Path | str | None:
+        """The latest complete checkpoint of the dump folder, the run's own once it has saved
+        or resumed (see :meth:`load`); None if the run saves none, or there is none yet."""
+        if not self.saves:
+            return None  # the folder may hold an earlier run's, which this run ignores
+        found = self.storage.steps()
+        return self.storage.where(found[-1]) if found else None
 
     def latest_at_most(self, at_most: int) -> int:
         """The step of the latest complete checkpoint at step ``at_most`` or earlier; a one-line

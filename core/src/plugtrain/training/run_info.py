@@ -1,22 +1,30 @@
-"""The modes a run trains in, named at start-up and recorded in ``run.json``.
+"""What a run says of itself besides its steps: its modes at start-up, its summary at the end.
 
-They are those no loss line shows: the attention (causal, or masked to each document of a
-packed row, and the kernel that computes it), the RoPE positions (running on across documents,
-or restarting at each), the parallel layout (``dp_replicate x dp_shard x tp``), the loss mask
-(every token, or the assistant's only) and the chat template (where it was read, and its
-sha256, :attr:`ChatTemplate.sha256`). Document masking on data whose documents are longer
-than a row changes nothing; the start-up says so from the first batch, which the run draws
-anyway. Rank 0 says it all.
+The modes, also recorded in ``run.json`` (``setup``), are those no loss line shows: the
+attention (causal, or masked to each document of a packed row, and the kernel that computes
+it), the RoPE positions (running on across documents, or restarting at each), the parallel
+layout (``dp_replicate x dp_shard x tp``), the loss mask (every token, or the assistant's only)
+and the chat template (where it was read, and its sha256, :attr:`ChatTemplate.sha256`).
+Document masking on data whose documents are longer than a row changes nothing; the start-up
+says so from the first batch, which the run draws anyway.
+
+The summary says where the run ended (step, last and best validation loss), where its
+checkpoint and metrics are, and the commands that use them, ready to paste. Rank 0 says it all.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import shlex
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from plugtrain.checkpoint import CheckpointManager
 from plugtrain.config import JobConfig
 from plugtrain.data import ChatTemplate, MicroBatch, MixtureDataset, PackedDataset, SkippingLoader
 from plugtrain.distributed import ParallelDims
@@ -95,9 +103,79 @@ def _several_documents(microbatch: MicroBatch) -> torch.Tensor:
     return (microbatch.positions[:, 1:] == 0).any(dim=1)  # restarting at each document
 
 
+def validation_losses(metrics: Path) -> list[tuple[int, float]]:
+    """The ``(step, validation_loss)`` records of the ``metrics.jsonl`` at ``metrics``, in order
+    (none if it cannot be read)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line a crash cut, that a resume would cut too
+        if isinstance(record, dict) and "validation_loss" in record:
+            records.append((record["step"], record["validation_loss"]))
+    return records
+
+
+def next_commands(config: JobConfig, chat: bool) -> list[str]:
+    """The commands that use a run's checkpoint: generate, export-hf and eval, ready to paste
+    (the paths quoted for the shell; with the run's ``checkpoint.endpoint_url``, its
+    environment variable for botocore)."""
+    run = shlex.quote(config.job.dump_folder)
+    env = config.checkpoint.endpoint_url
+    prefix = f"AWS_ENDPOINT_URL_S3={shlex.quote(env)} " if env else ""
+    exported = shlex.quote(f"{config.job.records_folder.rstrip('/')}-hf")
+    evaluation = config.plugin_sections.get("downstream_eval")  # the plugin's, read by name
+    tasks = getattr(evaluation, "tasks", None) or ["sample:cloze.jsonl"]
+    prompt = '--chat --prompt "Hello"' if chat else '--prompt "ROMEO:"'
+    return [
+        f"{prefix}plugtrain generate {run} {prompt}",
+        f"{prefix}plugtrain export-hf {run} -o {exported}",
+        f"{prefix}plugtrain eval {run} --tasks {' '.join(map(shlex.quote, tasks))}",
+    ]
+
+
+def summary_lines(
+    config: JobConfig,
+    step: int,
+    losses: Sequence[tuple[int, float]],
+    checkpoint: Path | str | None,
+    metrics: Path,
+    chat: bool,
+) -> list[str]:
+    """The lines that end a run of ``config`` at ``step``: its validation ``losses``
+    (:func:`validation_losses`), its ``checkpoint`` (None: it saved none), its ``metrics``
+    file and, with a checkpoint, the :func:`next_commands`."""
+    where = f"step {step} of {config.training.steps}"
+    finite = [(s, loss) for s, loss in losses if math.isfinite(loss)]
+    if not losses:
+        validation = "no validation loss (validation.interval is 0)"
+    elif not finite:
+        validation = f"validation loss {losses[-1][1]:.4f} at step {losses[-1][0]}"
+    else:
+        best = min(finite, key=lambda record: record[1])
+        validation = (
+            f"validation loss {losses[-1][1]:.4f} at step {losses[-1][0]}, best {best[1]:.4f} "
+            f"at step {best[0]}"
+        )
+    lines = [f"run ends at {where}; {validation}"]
+    if checkpoint is None:
+        lines.append(
+            f"metrics {metrics}; no checkpoint (checkpoint.save_final saves the last step, "
+            "checkpoint.enable every checkpoint.interval steps and on a stop)"
+        )
+        return lines
+    lines.append(f"checkpoint {checkpoint}; metrics {metrics}")
+    return lines + [f"next: {command}" for command in next_commands(config, chat)]
+
+
 class RunInfo:
-    """The run's own description: its :attr:`setup`, for ``run.json``, and its start-up lines.
-    Built on every rank; only rank 0 speaks."""
+    """The run's own description: its :attr:`setup`, for ``run.json``, its start-up lines and
+    its summary. Built on every rank; only rank 0 speaks."""
 
     def __init__(
         self,
@@ -129,3 +207,15 @@ class RunInfo:
         if on:
             seq_len = self.config.training.seq_len
             logger.info("%s", boundary_note(" and ".join(on), batches.peek(), seq_len))
+
+    def finish(self, step: int, checkpoints: CheckpointManager, metrics: Path) -> None:
+        """Sum the run up at ``step``: its validation losses (from ``metrics``, its
+        ``metrics.jsonl``), the checkpoint it leaves (``checkpoints``' latest) and the commands
+        that use it."""
+        if not self.dims.is_main:
+            return
+        chat = self.setup["chat_template"] is not None
+        losses = validation_losses(metrics)
+        lines = summary_lines(self.config, step, losses, checkpoints.latest(), metrics, chat)
+        for line in lines:
+            logger.info("%s", line)

@@ -411,7 +411,8 @@ class Trainer:
         return self.validation(self.step)
 
     def run(self) -> None:
-        """Train, then :meth:`close`; on any error :meth:`abort` instead, and re-raise.
+        """Train, then :meth:`close` and sum the run up; on any error :meth:`abort` instead,
+        and re-raise.
 
         No collective (no barrier) on the way out of an error: the other ranks may be blocked
         in one that this rank will never join.
@@ -422,6 +423,7 @@ class Trainer:
         except BaseException:
             self.abort()
             raise
+        self.info.finish(self.step, self.checkpointer, self.metrics.path)
 
     def close(self) -> None:
         """End the run: finish a save in flight (collective), then as :meth:`abort`. The
