@@ -32,6 +32,7 @@ def test_help_keeps_each_command_on_its_own_line(capsys):
         ["plugtrain", "plugins"],
         ["plugtrain", "plot"],
         ["plugtrain", "prepare-data"],
+        ["plugtrain", "inspect-data"],
         ["plugtrain", "estimate"],
         ["plugtrain", "export-hf"],
         ["plugtrain", "generate"],

@@ -4,6 +4,7 @@
   plugtrain plugins [--config FILE] [--plugins.enabled NAMES]  # installed plugins, their hooks
   plugtrain plot RUN_DIR [RUN_DIR ...] [-o metrics.png]        # draw and compare runs
   plugtrain prepare-data INPUT [INPUT ...] -o OUT --tokenizer FILE  # tokenize a corpus once
+  plugtrain inspect-data PREPARED_OR_FILE [-n 3] [--rows]     # examples, trained tokens marked
   plugtrain estimate CONFIG [--gpus N] [--tp T] [--section.key VALUE ...]  # memory per GPU
   plugtrain export-hf PATH -o OUT [--dtype auto] [--weights model|ema]  # Hugging Face folder
   plugtrain generate PATH --prompt TEXT                        # what a saved model writes
@@ -46,6 +47,10 @@ COMMANDS = {
     "prepare-data": Command(
         "plugtrain.commands.prepare_data",
         "tokenize documents into a prepared folder that training reads by memory map",
+    ),
+    "inspect-data": Command(
+        "plugtrain.commands.inspect_data",
+        "print examples as training sees them, text and ids, the trained tokens marked",
     ),
     "estimate": Command(
         "plugtrain.commands.estimate", "estimate the memory each GPU needs to train a config"

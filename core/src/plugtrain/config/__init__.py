@@ -14,7 +14,13 @@ names below from ``plugtrain.config``; none of it imports torch, so ``--help`` s
 from __future__ import annotations
 
 from plugtrain.config.checkpoint import CheckpointConfig
-from plugtrain.config.data import CHAT_OVERLONG, DATA_FORMATS, DataConfig, ValidationConfig
+from plugtrain.config.data import (
+    CHAT_LOSSES,
+    CHAT_OVERLONG,
+    DATA_FORMATS,
+    DataConfig,
+    ValidationConfig,
+)
 from plugtrain.config.job import (
     CORE_SECTIONS,
     FIXED_ON_RESUME,
@@ -39,6 +45,7 @@ from plugtrain.config.reading import build_section, coerce, field_docs, section_
 from plugtrain.config.training import LRSchedulerConfig, OptimizerConfig, TrainingConfig
 
 __all__ = [
+    "CHAT_LOSSES",
     "CHAT_OVERLONG",
     "CORE_SECTIONS",
     "DATA_FORMATS",

@@ -8,6 +8,11 @@ if TYPE_CHECKING:
     from plugtrain.data.chat import ChatEncoder as ChatEncoder
     from plugtrain.data.chat import ChatOptions as ChatOptions
     from plugtrain.data.chat import ChatTemplate as ChatTemplate
+    from plugtrain.data.examples import DocumentStream as DocumentStream
+    from plugtrain.data.examples import Example as Example
+    from plugtrain.data.examples import document_examples as document_examples
+    from plugtrain.data.examples import read_head as read_head
+    from plugtrain.data.examples import row_examples as row_examples
     from plugtrain.data.mixture import MixtureDataset as MixtureDataset
     from plugtrain.data.pipeline import IGNORE_INDEX as IGNORE_INDEX
     from plugtrain.data.pipeline import MicroBatch as MicroBatch
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
     from plugtrain.data.skips import write_skip_file as write_skip_file
     from plugtrain.data.sources import iter_documents as iter_documents
     from plugtrain.data.store import TokenStore as TokenStore
+    from plugtrain.data.store import file_sha256 as file_sha256
     from plugtrain.data.tokenizer import BOS_TOKEN as BOS_TOKEN
     from plugtrain.data.tokenizer import EOS_TOKEN as EOS_TOKEN
     from plugtrain.data.tokenizer import Tokenizer as Tokenizer

@@ -373,7 +373,7 @@ def prepare(
     layout = Layout(text_field, shard_tokens, chunk_bytes)
     tokenizer = Tokenizer.from_file(tokenizer_path)
     tokenizer_sha = file_sha256(tokenizer_path)
-    encoder = _chat_encoder(files, tokenizer_path, chat or ChatOptions())
+    encoder = chat_encoder(files, tokenizer_path, chat or ChatOptions())
     with _locked(out):
         key = _inputs_key(
             [_source_record(f, with_hash=False) for f in files], tokenizer_sha, layout, encoder
@@ -419,7 +419,7 @@ def prepare(
     return PrepareResult(out, True, manifest["num_tokens"], seconds, manifest["input_bytes"])
 
 
-def _chat_encoder(
+def chat_encoder(
     files: Sequence[Path], tokenizer_path: str | os.PathLike[str], chat: ChatOptions
 ) -> ChatEncoder | None:
     """The encoder of chat ``files``, or None for text; files of both kinds are refused."""

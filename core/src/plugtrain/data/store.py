@@ -143,6 +143,21 @@ class TokenStore:
             )
 
     @property
+    def num_documents(self) -> int:
+        """The documents of the stream (its shards' indexes)."""
+        return sum(len(ends) for ends in self._ends)
+
+    def document_span(self, index: int) -> tuple[int, int]:
+        """Where document ``index`` (numbered from 0 over the stream) lies in it:
+        ``(start, end)``, end excluded."""
+        left = index
+        for base, ends in zip(self._starts, self._ends, strict=True):
+            if 0 <= left < len(ends):  # a shard starts where a document does
+                return base + (int(ends[left - 1]) if left else 0), base + int(ends[left])
+            left -= len(ends)
+        raise IndexError(f"document {index} out of [0, {self.num_documents})")
+
+    @property
     def vocab_size(self) -> int:
         """Vocabulary size of the tokenizer the folder was prepared with."""
         return int(self.manifest["tokenizer"]["vocab_size"])
