@@ -4,6 +4,7 @@ shipped cloze, and ``plugtrain eval`` against the plugin's logged numbers."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -12,12 +13,21 @@ import pytest
 import torch
 
 from plugtrain.cli import main
+from plugtrain.commands.generate import load
 from plugtrain.commands.train import train
 from plugtrain.config import ParallelismConfig
 from plugtrain.data import Tokenizer
 from plugtrain.distributed import init_parallel_dims
 from plugtrain.errors import DataError, MissingFileError
-from plugtrain.evaluation import Score, encode_tasks, read_task, score, wilson_interval
+from plugtrain.evaluation import (
+    ItemScore,
+    Score,
+    encode_tasks,
+    read_task,
+    score,
+    score_items,
+    wilson_interval,
+)
 from plugtrain.model import FLAVORS, LLAMA, Transformer, build_model
 from plugtrain.testing import SAMPLE, make_trainer, read_metrics, run_distributed, tiny_args
 
@@ -56,15 +66,15 @@ def tiny_model() -> Transformer:
 
 
 @torch.no_grad()
-def reference(model: Transformer, items: list[dict]) -> Score:
+def reference_choices(model: torch.nn.Module, items: list[dict]) -> list[list[tuple[float, bool]]]:
     """Written out as lm-evaluation-harness does it, one sequence per forward: the context's
     trailing whitespace moved to the continuation, context + continuation tokenized whole, BOS
-    first, the last max_seq_len + 1 tokens kept; log-softmax, and the sum over the
-    continuation; the first highest sum (or sum per character) wins."""
-    correct = correct_norm = 0
+    first, the last max_seq_len + 1 tokens kept; log-softmax, and each choice's sum over the
+    continuation, and whether each of its tokens is the most likely one (is_greedy)."""
     bos = [TOKENIZER.bos_id]
+    results = []
     for item in items:
-        lls = []
+        choices = []
         for choice in item["choices"]:
             context = item["context"].rstrip()
             continuation = item["context"][len(context) :] + item.get("delimiter", " ") + choice
@@ -73,16 +83,41 @@ def reference(model: Transformer, items: list[dict]) -> Score:
             )
             tokens = (bos + TOKENIZER.encode(context + continuation))[-(ARGS.max_seq_len + 1) :]
             logprobs = model(torch.tensor([tokens[:-1]]))[0].log_softmax(dim=-1)
-            lls.append(
-                sum(
-                    logprobs[p - 1, tokens[p]].item()
-                    for p in range(len(tokens) - scored, len(tokens))
-                )
-            )
+            positions = range(len(tokens) - scored, len(tokens))
+            ll = sum(logprobs[p - 1, tokens[p]].item() for p in positions)
+            greedy = all(logprobs[p - 1].argmax().item() == tokens[p] for p in positions)
+            choices.append((ll, greedy))
+        results.append(choices)
+    return results
+
+
+def reference(model: torch.nn.Module, items: list[dict]) -> Score:
+    """:func:`reference_choices`' scores: the first highest sum (or sum per character) wins."""
+    correct = correct_norm = 0
+    for item, choices in zip(items, reference_choices(model, items), strict=True):
+        lls = [ll for ll, _ in choices]
         normed = [ll / len(c) for ll, c in zip(lls, item["choices"], strict=True)]
         correct += lls.index(max(lls)) == item["gold"]
         correct_norm += normed.index(max(normed)) == item["gold"]
     return Score(len(items), correct, correct_norm)
+
+
+class Bigram(torch.nn.Module):
+    """A model whose logits are a table's row for the token read: its most likely next tokens
+    are set, so that some choices are greedy continuations."""
+
+    def __init__(self, greedy: list[list[int]]) -> None:
+        super().__init__()
+        table = torch.randn(
+            ARGS.vocab_size, ARGS.vocab_size, generator=torch.Generator().manual_seed(0)
+        )
+        for row in greedy:
+            for a, b in itertools.pairwise(row):
+                table[a, b] = 50.0
+        self.table = torch.nn.Parameter(table)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table[tokens]
 
 
 @pytest.fixture(scope="module")
@@ -103,19 +138,55 @@ def test_scores_equal_the_reference_whatever_the_batch(task_file, expected):
         assert score(model, encoded, batch_size=batch_size) == {"plays": expected}
 
 
-def _score_on_rank(task_file: str) -> Score:
+def test_each_choice_s_log_likelihood_and_greediness_are_the_reference_s(task_file):
+    encoded = encode_tasks([read_task(str(task_file))], TOKENIZER, ARGS.max_seq_len)
+    # A model whose most likely continuations are item 0's choice 0 and item 2's choice 1.
+    chosen = {(0, 0), (2, 1)}
+    chains = [
+        row[-scored - 1 :]
+        for row, scored, item, choice in zip(
+            encoded.rows, encoded.scored, encoded.row_item, encoded.row_choice, strict=True
+        )
+        if (item, choice) in chosen
+    ]
+    for model in (tiny_model(), Bigram(chains)):
+        want = reference_choices(model, ITEMS)
+        scores, items = score_items(model, encoded, batch_size=3)
+        assert scores == {"plays": reference(model, ITEMS)}
+        assert [(i.task, i.index) for i in items] == [(0, n) for n in range(len(ITEMS))]
+        for item, choices, doc in zip(items, want, ITEMS, strict=True):
+            assert [g for _, g in item.choices] == [g for _, g in choices]
+            assert [ll for ll, _ in item.choices] == pytest.approx(
+                [ll for ll, _ in choices], abs=1e-4, rel=0
+            )
+            lls = [ll for ll, _ in choices]
+            assert item.acc == (lls.index(max(lls)) == doc["gold"])
+    greedy = {(i, j) for i, c in enumerate(want) for j, (_, g) in enumerate(c) if g}
+    assert greedy == chosen  # the bigram's chains did not overwrite each other
+
+
+def _score_on_rank(task_file: str) -> tuple[Score, list[ItemScore]]:
     dims = init_parallel_dims("cpu", ParallelismConfig())
     model = build_model(
         LLAMA, ARGS, dims.get_mesh("dp"), torch.float32, torch.float32, dims.device, seed=0
     )
     encoded = encode_tasks([read_task(task_file)], TOKENIZER, ARGS.max_seq_len)
     # Batches of 2: rank 0 has 5 items' choices, rank 1 four: rank 1 runs a padding forward.
-    return score(model, encoded, batch_size=2, rank=dims.rank, world_size=dims.world_size)["plays"]
+    scores, items = score_items(
+        model, encoded, batch_size=2, rank=dims.rank, world_size=dims.world_size
+    )
+    return scores["plays"], items
 
 
 @pytest.mark.slow
 def test_two_sharded_processes_give_the_reference_scores(task_file, expected):
-    assert run_distributed(_score_on_rank, 2, str(task_file)) == [expected, expected]
+    (first, items), (second, theirs) = run_distributed(_score_on_rank, 2, str(task_file))
+    assert first == second == expected
+    assert items == theirs  # every rank holds every item's choices, its own and the other's
+    got = [c for i in items for c in i.choices]
+    want = [c for choices in reference_choices(tiny_model(), ITEMS) for c in choices]
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in want], abs=1e-4, rel=0)
 
 
 def test_a_hellaswag_line_is_read_as_lm_eval_preprocesses_it(tmp_path):
@@ -170,6 +241,13 @@ def test_bad_task_files_stop_a_run_before_step_1_and_plugtrain_eval(tmp_path, ca
         errors = capsys.readouterr().err.strip().splitlines()
         assert len(errors) == 2 and all(task in line for line in errors), errors
         assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # A folder that is not there for the per-item records: said before the model is read.
+    argv = ["eval", "nowhere", "--tasks", "sample:cloze.jsonl", "--log-samples", "no/s.jsonl"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "plugtrain: error: --log-samples 'no/s.jsonl': folder 'no' does not exist: create it, "
+        "or give another path\n"
+    )
 
 
 @pytest.mark.slow
@@ -191,14 +269,31 @@ def test_plugtrain_eval_of_a_checkpoint_and_its_export_gives_the_logged_scores(t
                      "--optimizer.lr", "0.05", steps=2)  # fmt: skip
     assert train(args) == 0
     (logged,) = [r for r in read_metrics(run) if "downstream_eval/plays/acc" in r]
-    out = tmp_path / "scores.json"
-    assert main(["eval", str(run), "--tasks", str(task_file), "-o", str(out)]) == 0
+    out, samples = tmp_path / "scores.json", tmp_path / "samples.jsonl"
+    argv = ["eval", str(run), "--tasks", str(task_file), "-o", str(out)]
+    assert main([*argv, "--log-samples", str(samples)]) == 0
     scores = json.loads(out.read_text())["tasks"]["plays"]
     assert scores["items"] == len(ITEMS)
     assert (scores["acc"], scores["acc_norm"]) == (
         logged["downstream_eval/plays/acc"],
         logged["downstream_eval/plays/acc_norm"],
     )
+    # Each item's choices, as the reference scores them on the saved model.
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    want = reference_choices(load(run, torch.device("cpu"))[0], ITEMS)
+    assert [(r["task"], r["doc_id"], r["target"]) for r in records] == [
+        ("plays", i, item["gold"]) for i, item in enumerate(ITEMS)
+    ]
+    for record, choices, item in zip(records, want, ITEMS, strict=True):
+        delimiter = item.get("delimiter", " ")
+        assert record["arguments"] == [[item["context"], delimiter + c] for c in item["choices"]]
+        assert record["resps"] == [[response] for response in record["filtered_resps"]]
+        assert [g for _, g in record["filtered_resps"]] == [g for _, g in choices]
+        assert [ll for ll, _ in record["filtered_resps"]] == pytest.approx(
+            [ll for ll, _ in choices], abs=1e-4, rel=0
+        )
+    assert sum(r["acc"] for r in records) == round(scores["acc"] * len(ITEMS))
+    assert sum(r["acc_norm"] for r in records) == round(scores["acc_norm"] * len(ITEMS))
     # The same weights exported to a Hugging Face folder score the same.
     hf, out_hf = tmp_path / "hf", tmp_path / "scores_hf.json"
     assert main(["export-hf", str(run), "-o", str(hf), "--dtype", "float32"]) == 0

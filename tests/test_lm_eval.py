@@ -3,7 +3,8 @@
 The real harness runs offline on a local JSONL task built from the shipped cloze, plus items
 that take lm-eval's other paths (an empty context, one that starts with BOS's text): per-choice
 log-likelihoods agree within 1e-4 and acc / acc_norm are the same, whether lm-eval is told
-``add_bos_token=True`` or left to the exported tokenizer's default.
+``add_bos_token=True`` or left to the exported tokenizer's default. ``plugtrain eval
+--log-samples`` writes the records lm-eval's ``log_samples`` gives, value for value.
 """
 
 from __future__ import annotations
@@ -12,11 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from plugtrain.cli import main
-from plugtrain.commands.generate import load
-from plugtrain.evaluation import encode_tasks, loglikelihoods, read_task
 from plugtrain.testing import SAMPLE, tiny_run
 
 pytest.importorskip("lm_eval")
@@ -65,13 +63,11 @@ def scored(tmp_path_factory) -> dict:
     path.write_text("".join(json.dumps({**i, "delimiter": DELIMITER}) + "\n" for i in items()))
     (task / "task.yaml").write_text(task_yaml(path))
 
-    assert main(["eval", str(export), "--tasks", str(path), "-o", str(tmp / "eval.json")]) == 0
-    ours = json.loads((tmp / "eval.json").read_text())["tasks"]["items"]
-    model, tokenizer = load(export, torch.device("cpu"))
-    encoded = encode_tasks([read_task(str(path))], tokenizer, model.args.max_seq_len)
-    per_item: list[list[float]] = [[] for _ in range(encoded.num_items)]
-    for item, ll in zip(encoded.row_item, loglikelihoods(model, encoded), strict=True):
-        per_item[item].append(ll)
+    out, samples = tmp / "eval.json", tmp / "samples.jsonl"
+    argv = ["eval", str(export), "--tasks", str(path), "-o", str(out)]
+    assert main([*argv, "--log-samples", str(samples)]) == 0
+    ours = json.loads(out.read_text())["tasks"]["items"]
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
 
     theirs = {}
     with pytest.MonkeyPatch.context() as env:
@@ -95,20 +91,38 @@ def scored(tmp_path_factory) -> dict:
                 batch_size=8,
                 log_samples=True,
             )
-            samples = sorted(result["samples"][TASK], key=lambda s: s["doc_id"])
             theirs[bos] = {
                 "acc": result["results"][TASK]["acc,none"],
                 "acc_norm": result["results"][TASK]["acc_norm,none"],
-                "loglikelihoods": [[ll for ll, _ in s["filtered_resps"]] for s in samples],
+                "samples": sorted(result["samples"][TASK], key=lambda s: s["doc_id"]),
             }
-    return {"export": export, "ours": ours, "per_item": per_item, "theirs": theirs}
+    return {"export": export, "ours": ours, "records": records, "theirs": theirs}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bos", ["", ",add_bos_token=True"], ids=["default", "add_bos_token"])
 def test_lm_eval_scores_the_export_as_plugtrain_eval_does(scored, bos):
     theirs, ours = scored["theirs"][bos], scored["ours"]
-    assert len(theirs["loglikelihoods"]) == len(items())
-    for want, got in zip(scored["per_item"], theirs["loglikelihoods"], strict=True):
-        assert got == pytest.approx(want, abs=1e-4, rel=0)
+    assert len(theirs["samples"]) == len(scored["records"]) == len(items())
+    for record, sample in zip(scored["records"], theirs["samples"], strict=True):
+        got = [ll for ll, _ in sample["filtered_resps"]]
+        assert got == pytest.approx([ll for ll, _ in record["filtered_resps"]], abs=1e-4, rel=0)
     assert (theirs["acc"], theirs["acc_norm"]) == (ours["acc"], ours["acc_norm"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bos", ["", ",add_bos_token=True"], ids=["default", "add_bos_token"])
+def test_log_samples_are_lm_eval_s_records(scored, bos):
+    for record, sample in zip(scored["records"], scored["theirs"][bos]["samples"], strict=True):
+        # The same keys (and the task's name, as one file holds every task)...
+        assert list(record) == ["task", *sample]
+        # ...the same values, JSON's lists for lm-eval's tuples...
+        same = ["doc_id", "doc", "target", "filter", "metrics", "doc_hash", "prompt_hash"]
+        same += ["target_hash", "acc", "acc_norm"]
+        assert {k: record[k] for k in same} == {k: sample[k] for k in same}
+        assert record["arguments"] == [list(request) for request in sample["arguments"]]
+        # ...and each choice's [loglikelihood, is_greedy], within the tolerance above.
+        for ours, theirs in zip(record["resps"], sample["resps"], strict=True):
+            ((ll, greedy),), ((their_ll, their_greedy),) = ours, theirs
+            assert (ll, greedy) == (pytest.approx(their_ll, abs=1e-4, rel=0), their_greedy)
+        assert record["filtered_resps"] == [r for (r,) in record["resps"]]

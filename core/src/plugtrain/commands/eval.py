@@ -6,7 +6,9 @@ a ``step-N`` folder, an exported Hugging Face folder;
 :func:`plugtrain.evaluation.score`, the scorer of the ``downstream_eval`` plugin, so the numbers
 are those the plugin logs for the same items. Under
 ``torchrun`` the items are split over the processes and the counts summed. Rank 0 prints a
-table (accuracy with its 95% Wilson interval) and writes the JSON file ``-o`` names.
+table (accuracy with its 95% Wilson interval) and writes the JSON file ``-o`` names, and
+``--log-samples`` each item's per-choice log-likelihoods, in lm-eval's ``--log_samples`` shape
+(:mod:`plugtrain.evaluation.samples`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import torch.distributed as dist
 
 from plugtrain.commands.generate import add_model_arguments, load
 from plugtrain.errors import ConfigError
-from plugtrain.evaluation import Score, encode_tasks, read_task, score, wilson_interval
+from plugtrain.evaluation import (
+    Score,
+    encode_tasks,
+    read_task,
+    sample_records,
+    score_items,
+    wilson_interval,
+)
 
 __all__ = ["add_parser", "results", "run"]
 
@@ -61,7 +70,8 @@ def add_parser(subparsers: argparse._SubParsersAction, summary: str) -> None:
         "or HellaSwag's own validation file) on the model of a run's dump folder (its latest "
         "checkpoint), of a checkpoints/step-N folder or of an exported Hugging Face folder, as "
         "the downstream_eval plugin does during training. Under torchrun the items are split "
-        "over the processes. Prints a table; -o writes the scores as JSON.",
+        "over the processes. Prints a table; -o writes the scores as JSON, --log-samples each "
+        "item's per-choice log-likelihoods as JSONL (the records of lm-eval's --log_samples).",
     )
     add_model_arguments(parser)
     parser.add_argument(
@@ -69,6 +79,11 @@ def add_parser(subparsers: argparse._SubParsersAction, summary: str) -> None:
         help="task files (sample:cloze.jsonl: the shipped Shakespeare cloze)",
     )  # fmt: skip
     parser.add_argument("-o", "--output", help="write the scores to this JSON file")
+    parser.add_argument(
+        "--log-samples",
+        metavar="FILE",
+        help="write each item's per-choice log-likelihoods to this JSONL file (lm-eval's shape)",
+    )
     parser.add_argument(
         "--max-items", type=int, default=0, help="items per task, evenly spaced (0: all)"
     )
@@ -86,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-items must be >= 0 (0: all), got {args.max_items}")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for option, path in (("-o", args.output), ("--log-samples", args.log_samples)):
+        if path and not Path(path).parent.is_dir():
+            raise ConfigError(
+                f"{option} '{path}': folder '{Path(path).parent}' does not exist: create it, "
+                "or give another path"
+            )
     tasks = [read_task(path) for path in args.tasks]  # bad input stops here, before the model
     names = [task.name for task in tasks]
     for name in names:
@@ -101,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer = load(args.path, device, args.weights, args.tokenizer)
         encoded = encode_tasks(tasks, tokenizer, model.args.max_seq_len, args.max_items)
-        scores = score(model, encoded, batch_size=args.batch_size, rank=rank, world_size=world_size)
+        scores, items = score_items(
+            model, encoded, batch_size=args.batch_size, rank=rank, world_size=world_size
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -116,4 +139,8 @@ def run(args: argparse.Namespace) -> int:
         record = {"model": str(args.path), "weights": args.weights, "tasks": table}
         Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.output}")
+    if args.log_samples:
+        lines = (json.dumps(r, ensure_ascii=False) + "\n" for r in sample_records(tasks, items))
+        Path(args.log_samples).write_text("".join(lines))
+        print(f"wrote {args.log_samples}: {len(items)} items, each choice's log-likelihood")
     return 0

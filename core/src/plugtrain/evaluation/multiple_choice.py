@@ -16,6 +16,8 @@ saved model. It scores as lm-evaluation-harness scores a ``multiple_choice`` tas
 * ``acc``: the choice of highest log-likelihood is the gold one; ``acc_norm``: the same with each
   log-likelihood divided by its choice's length in characters (``len(choice)``, without the
   delimiter). Ties go to the first choice (``argmax``).
+* a choice is greedy (lm-eval's ``is_greedy``) when each of its tokens is the model's most
+  likely one there.
 
 A task is a JSONL file, one item per line: ``{"context": str, "choices": [str, ...], "gold":
 int}``, optionally ``"delimiter": str``. A line with ``ctx``/``ctx_a``, ``endings`` and ``label``
@@ -28,10 +30,11 @@ become single.
 Items are split over ranks (item ``i`` on rank ``i % world_size``); each rank forwards its
 choices in batches of rows padded on the right (causal attention: padding changes nothing
 before it), and every rank runs the same number of forwards, padding with a one-token one, so
-that every rank joins each of an FSDP2 model's all-gathers. The counts are summed over ranks:
-the score is the same on any number of processes. Under tensor parallelism the ranks of a
-``tp`` group score the same items together (the split is over the data-parallel ranks, the
-``group`` of :func:`score`), each reading the logits whole
+that every rank joins each of an FSDP2 model's all-gathers. Each choice's log-likelihood is
+summed in over the ranks (each is one rank's, so the sum is exact): every rank then holds every
+item's (:func:`score_items`), and the score is the same on any number of processes. Under
+tensor parallelism the ranks of a ``tp`` group score the same items together (the split is over
+the data-parallel ranks, the ``group`` of :func:`score`), each reading the logits whole
 (:func:`~plugtrain.model.tensor_parallel.whole_logits`).
 """
 
@@ -56,6 +59,7 @@ from plugtrain.model import TextTokenizer, reshard, whole_logits
 __all__ = [
     "EncodedTasks",
     "Item",
+    "ItemScore",
     "Score",
     "Task",
     "encode_pair",
@@ -63,6 +67,7 @@ __all__ = [
     "loglikelihoods",
     "read_task",
     "score",
+    "score_items",
     "wilson_interval",
 ]
 
@@ -219,6 +224,8 @@ class EncodedTasks:
     gold: list[int]
     chars: list[list[int]]
     """Each item's choices' lengths in characters."""
+    item_index: list[int]
+    """Each selected item's index in its task's items (lm-eval's ``doc_id``)."""
 
     @property
     def num_items(self) -> int:
@@ -238,7 +245,7 @@ def encode_tasks(
 ) -> EncodedTasks:
     """Tokenize at most ``max_items`` items of each task (0: all) for a model of
     ``max_seq_len`` positions. A continuation that does not fit the model is bad input."""
-    encoded = EncodedTasks([t.name for t in tasks], [], [], [], [], [], [], [])
+    encoded = EncodedTasks([t.name for t in tasks], [], [], [], [], [], [], [], [])
     for t, task in enumerate(tasks):
         for i in _subset(len(task.items), max_items):
             item = task.items[i]
@@ -258,7 +265,25 @@ def encode_tasks(
             encoded.item_task.append(t)
             encoded.gold.append(item.gold)
             encoded.chars.append([len(c) for c in item.choices])
+            encoded.item_index.append(i)
     return encoded
+
+
+@dataclass(frozen=True)
+class ItemScore:
+    """One item's result, what lm-eval's ``--log_samples`` records of it."""
+
+    task: int
+    """The task (index into ``EncodedTasks.names``)."""
+    index: int
+    """The item's index in its task's items (lm-eval's ``doc_id``)."""
+    choices: tuple[tuple[float, bool], ...]
+    """Each choice's log-likelihood, and whether it is the greedy continuation (every token the
+    model's most likely): lm-eval's ``(loglikelihood, is_greedy)``."""
+    acc: bool
+    """The highest log-likelihood is the gold choice's."""
+    acc_norm: bool
+    """The same per character."""
 
 
 @dataclass(frozen=True)
@@ -304,10 +329,11 @@ def _loglikelihoods(
     forwards: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """The log-likelihood of each of ``rows``' continuations, in that order, on the device;
-    ``forwards`` forwards in all (one-token ones after the batches run out)."""
+    """Each of ``rows``' continuation log-likelihood and count of tokens not the model's most
+    likely (``[len(rows), 2]``, in that order, on the device); ``forwards`` forwards in all
+    (one-token ones after the batches run out)."""
     position = {r: i for i, r in enumerate(rows)}
-    out = torch.zeros(len(rows), device=device)
+    out = torch.zeros(len(rows), 2, device=device)
     for n in range(forwards):
         if n >= len(batches):
             whole_logits(model, torch.zeros(1, 1, dtype=torch.long, device=device))
@@ -322,10 +348,14 @@ def _loglikelihoods(
             scored[b, len(row) - 1 - encoded.scored[r] : len(row) - 1] = True
         tokens, scored = tokens.to(device), scored.to(device)
         # The log-softmax of the continuations' positions only: most positions are context.
-        logits = whole_logits(model, tokens[:, :-1])[scored].float()
-        picked = F.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:][scored][:, None])
+        logprobs = F.log_softmax(whole_logits(model, tokens[:, :-1])[scored].float(), dim=-1)
+        targets = tokens[:, 1:][scored]
+        picked = logprobs.gather(-1, targets[:, None]).squeeze(-1)
+        missed = (logprobs.argmax(dim=-1) != targets).float()  # lm-eval's is_greedy, per token
         where = torch.tensor([position[r] for r in batch], device=device)
-        out.index_add_(0, where[:, None].expand_as(scored)[scored], picked.squeeze(-1))
+        out.index_add_(
+            0, where[:, None].expand_as(scored)[scored], torch.stack([picked, missed], 1)
+        )
     return out
 
 
@@ -352,13 +382,75 @@ def _scoring(
         reshard(model)
 
 
+def _scored_rows(
+    model: nn.Module,
+    encoded: EncodedTasks,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Every row's continuation log-likelihood and whether it is greedy (1 or 0), ``[rows,
+    2]`` on the device of every rank: this rank's rows scored, the others' summed in over
+    ``group`` (each row is one rank's, so the sum is exact)."""
+    mine = [r for r in range(len(encoded.rows)) if encoded.row_item[r] % world_size == rank]
+    # Every rank knows every rank's rows: the number of forwards needs no collective.
+    per_rank = [
+        sum(1 for item in encoded.row_item if item % world_size == k) for k in range(world_size)
+    ]
+    forwards = max(math.ceil(n / batch_size) for n in per_rank)
+    scored = _scoring(model, encoded, mine, batch_size, forwards)
+    out = torch.zeros(len(encoded.rows), 2, device=scored.device)
+    out[torch.tensor(mine, dtype=torch.long, device=scored.device)] = torch.stack(
+        [scored[:, 0], (scored[:, 1] == 0).float()], dim=1
+    )
+    if world_size > 1:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def _hits(encoded: EncodedTasks, lls: torch.Tensor) -> torch.Tensor:
+    """Whether each item's highest log-likelihood, and highest per character, is its gold
+    choice's: bool ``[items, 2]``, on ``lls``' device."""
+    device = lls.device
+    width = max(len(chars) for chars in encoded.chars)
+    # One row per item, one column per choice; absent choices never win.
+    table = torch.full((encoded.num_items, width), -math.inf, device=device)
+    at_item = torch.tensor(encoded.row_item, device=device)
+    table[at_item, torch.tensor(encoded.row_choice, device=device)] = lls
+    chars = [c + [1] * (width - len(c)) for c in encoded.chars]
+    normed = table / torch.tensor(chars, device=device)
+    gold = torch.tensor(encoded.gold, device=device)
+    return torch.stack([table.argmax(dim=1) == gold, normed.argmax(dim=1) == gold], dim=1)
+
+
 def loglikelihoods(model: nn.Module, encoded: EncodedTasks, *, batch_size: int = 32) -> list[float]:
     """Each row's continuation log-likelihood (``encoded.row_item`` and ``row_choice`` say whose),
-    on this process alone: the numbers :func:`score` compares, to check them against another
-    scorer (lm-eval's ``--log_samples``)."""
-    rows = range(len(encoded.rows))
-    forwards = math.ceil(len(rows) / batch_size)
-    return _scoring(model, encoded, rows, batch_size, forwards).tolist()
+    on this process alone: the numbers :func:`score` compares."""
+    return _scored_rows(model, encoded, batch_size, 0, 1, None)[:, 0].tolist()
+
+
+def _score(
+    model: nn.Module,
+    encoded: EncodedTasks,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+) -> tuple[dict[str, Score], torch.Tensor, torch.Tensor]:
+    """Each task's :class:`Score`, with every row's :func:`_scored_rows` and every item's
+    :func:`_hits` they were counted from."""
+    rows = _scored_rows(model, encoded, batch_size, rank, world_size, group)
+    hits = _hits(encoded, rows[:, 0])
+    device = rows.device
+    counts = torch.zeros(len(encoded.names), 3, dtype=torch.long, device=device)
+    every = torch.cat([torch.ones_like(hits[:, :1]), hits], dim=1).long()
+    counts.index_add_(0, torch.tensor(encoded.item_task, device=device), every)
+    scores = {
+        name: Score(n, correct, correct_norm)
+        for name, (n, correct, correct_norm) in zip(encoded.names, counts.tolist(), strict=True)
+    }
+    return scores, rows, hits
 
 
 def score(
@@ -376,38 +468,33 @@ def score(
     ``model`` maps tokens ``[B, S]`` to logits ``[B, S, vocab]`` (a
     :class:`~plugtrain.model.llama.transformer.Transformer`, FSDP2-sharded, tensor-parallel or
     neither); it is put in eval mode for the passes and back, and resharded after them. The
-    items are split over ``world_size`` ranks, this one ``rank``, and the counts summed over
-    ``group`` (None: every process), the group those ranks make: under tensor parallelism the
-    data-parallel one, whose ranks each stand for a ``tp`` group. One all-reduce and one read of
-    the counts on the host; no random number is drawn.
+    items are split over ``world_size`` ranks, this one ``rank``, and their log-likelihoods
+    summed over ``group`` (None: every process), the group those ranks make: under tensor
+    parallelism the data-parallel one, whose ranks each stand for a ``tp`` group. One
+    all-reduce and one read of the counts on the host; no random number is drawn.
     """
-    device = next(model.parameters()).device
-    mine = [r for r in range(len(encoded.rows)) if encoded.row_item[r] % world_size == rank]
-    # Every rank knows every rank's rows: the number of forwards needs no collective.
-    per_rank = [
-        sum(1 for item in encoded.row_item if item % world_size == k) for k in range(world_size)
+    return _score(model, encoded, batch_size, rank, world_size, group)[0]
+
+
+def score_items(
+    model: nn.Module,
+    encoded: EncodedTasks,
+    *,
+    batch_size: int = 32,
+    rank: int = 0,
+    world_size: int = 1,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dict[str, Score], list[ItemScore]]:
+    """:func:`score`'s scores, and each item's :class:`ItemScore` (every rank's items, on
+    every rank): the per-choice log-likelihoods ``plugtrain eval --log-samples`` writes."""
+    scores, rows, hits = _score(model, encoded, batch_size, rank, world_size, group)
+    per_item: list[list[tuple[float, bool]]] = [[] for _ in range(encoded.num_items)]
+    for item, (ll, greedy) in zip(encoded.row_item, rows.tolist(), strict=True):
+        per_item[item].append((ll, bool(greedy)))
+    items = [
+        ItemScore(task, index, tuple(choices), acc, acc_norm)
+        for task, index, choices, (acc, acc_norm) in zip(
+            encoded.item_task, encoded.item_index, per_item, hits.tolist(), strict=True
+        )
     ]
-    forwards = max(math.ceil(n / batch_size) for n in per_rank)
-    lls = _scoring(model, encoded, mine, batch_size, forwards)
-    counts = torch.zeros(len(encoded.names), 3, dtype=torch.long, device=device)
-    items = sorted({encoded.row_item[r] for r in mine})
-    if items:
-        local = {item: k for k, item in enumerate(items)}
-        width = max(len(encoded.chars[i]) for i in items)
-        # One row per item, one column per choice; absent choices never win.
-        table = torch.full((len(items), width), -math.inf, device=device)
-        at_item = torch.tensor([local[encoded.row_item[r]] for r in mine], device=device)
-        at_choice = torch.tensor([encoded.row_choice[r] for r in mine], device=device)
-        table[at_item, at_choice] = lls
-        chars = [encoded.chars[i] + [1] * (width - len(encoded.chars[i])) for i in items]
-        normed = table / torch.tensor(chars, device=device)
-        gold = torch.tensor([encoded.gold[i] for i in items], device=device)
-        hits = [torch.ones_like(gold), table.argmax(dim=1) == gold, normed.argmax(dim=1) == gold]
-        task = torch.tensor([encoded.item_task[i] for i in items], device=device)
-        counts.index_add_(0, task, torch.stack(hits, dim=1).long())
-    if world_size > 1:
-        dist.all_reduce(counts, group=group)
-    return {
-        name: Score(n, correct, correct_norm)
-        for name, (n, correct, correct_norm) in zip(encoded.names, counts.tolist(), strict=True)
-    }
+    return scores, items
