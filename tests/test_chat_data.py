@@ -96,6 +96,29 @@ def test_long_conversations_are_truncated_or_dropped(
     kept_lengths = [min(n, limit) for n in lengths if overlong == "truncate" or n <= limit]
     assert store.num_tokens == sum(kept_lengths)
     assert store.manifest["num_documents"] == (kept or len(lengths) - longer)
+    # The lengths before cutting, cut or dropped alike: the shortest seq_len fitting 54 of
+    # the 60 conversations (90%), 60 of 60 (99%, all).
+    ordered = sorted(lengths)
+    fit = {"p90": ordered[53], "p99": ordered[59], "p100": ordered[59]}
+    assert store.chat["lengths"] == fit
+
+
+def test_the_run_names_the_seq_len_that_fits_the_conversations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokenizer, template = Tokenizer.from_file(TOKENIZER), ChatTemplate.for_tokenizer(TOKENIZER)
+    lengths = sorted(len(encode_conversation(m, template, tokenizer)[0]) for m in conversations())
+    # Of 60 conversations, 99% is all of them: said once.
+    fit = f": training.seq_len {lengths[-1]} fits all of them, {lengths[53]} fits 90%"
+    longer = sum(n > 64 for n in lengths)
+    for seq_len, cut, hint in ((64, longer, fit), (lengths[-1], 0, "")):
+        args = ("--data.train_path", str(CHAT), "--training.seq_len", str(seq_len))
+        make_trainer(tmp_path / str(seq_len), *args)
+        line = (
+            f"data.train_path '{CHAT}': 60 conversations; {cut} longer than {seq_len} tokens "
+            f"truncated, 0 dropped (data.chat_overlong){hint}\n"
+        )
+        assert line in capsys.readouterr().err
 
 
 def _write(path: Path, records: list[object]) -> Path:

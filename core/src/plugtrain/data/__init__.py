@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     from plugtrain.data.chat import ChatEncoder as ChatEncoder
     from plugtrain.data.chat import ChatOptions as ChatOptions
     from plugtrain.data.chat import ChatTemplate as ChatTemplate
+    from plugtrain.data.chat import fitting_seq_len as fitting_seq_len
     from plugtrain.data.examples import DocumentStream as DocumentStream
     from plugtrain.data.examples import Example as Example
     from plugtrain.data.examples import document_examples as document_examples

@@ -325,10 +325,11 @@ class ChatEncoder:
 
     def encode(
         self, conversations: list[list[dict[str, str]]], tokenizer: Tokenizer
-    ) -> tuple[list[list[int]], list[np.ndarray], int, int]:
-        """Each kept conversation's ids and assistant mask, and how many were truncated and
-        dropped; an error names a :class:`Conversation`'s ``path:line``."""
-        ids, masks, truncated, dropped = [], [], 0, 0
+    ) -> tuple[list[list[int]], list[np.ndarray], int, int, list[int]]:
+        """Each kept conversation's ids and assistant mask, how many were truncated and
+        dropped, and every conversation's length before any was cut; an error names a
+        :class:`Conversation`'s ``path:line``."""
+        ids, masks, truncated, dropped, lengths = [], [], 0, 0, []
         for messages in conversations:
             try:
                 tokens, mask = encode_conversation(messages, self.template, tokenizer)
@@ -336,6 +337,7 @@ class ChatEncoder:
                 if not isinstance(messages, Conversation):
                     raise
                 raise DataError(f"{messages.where}: {e}") from e
+            lengths.append(len(tokens))
             if self.max_tokens and len(tokens) > self.max_tokens:
                 if self.overlong == "drop":
                     dropped += 1
@@ -344,4 +346,34 @@ class ChatEncoder:
                 tokens, mask = tokens[: self.max_tokens], mask[: self.max_tokens]
             ids.append(tokens)
             masks.append(mask)
-        return ids, masks, truncated, dropped
+        return ids, masks, truncated, dropped, lengths
+
+
+LENGTH_PERCENTILES = (90, 99, 100)
+"""The percentiles of conversation lengths a prepared folder records (100: the longest)."""
+
+
+def length_percentiles(histogram: np.ndarray) -> dict[str, int]:
+    """``{"p90": n, ...}`` of :data:`LENGTH_PERCENTILES` from ``histogram`` (the count of
+    conversations of each length): the shortest ``n`` that at least that share of the
+    conversations fit in, so ``training.seq_len`` ``n`` cuts none of them."""
+    below = np.cumsum(histogram)
+    return {
+        f"p{p}": int(np.searchsorted(below, -(-p * int(below[-1]) // 100)))
+        for p in LENGTH_PERCENTILES
+    }
+
+
+def fitting_seq_len(chat: Mapping[str, Any]) -> str:
+    """What a run whose conversations were cut or dropped could set instead: a prepared
+    folder's manifest ``chat`` section's length percentiles, said as seq_lens; empty when none
+    was cut, or the folder predates the record."""
+    fit = chat.get("lengths")
+    if not fit or not (chat["truncated"] or chat["dropped"]):
+        return ""
+    said, longest = [f"{fit['p100']} fits all of them"], fit["p100"]
+    for p in sorted(LENGTH_PERCENTILES[:-1], reverse=True):
+        if fit[f"p{p}"] < longest:  # a share that needs no less than a larger one is not news
+            said.append(f"{fit[f'p{p}']} fits {p}%")
+            longest = fit[f"p{p}"]
+    return f": training.seq_len {', '.join(said)}"

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tqdm
 
-from plugtrain.data.chat import ChatEncoder, ChatOptions, ChatTemplate
+from plugtrain.data.chat import ChatEncoder, ChatOptions, ChatTemplate, length_percentiles
 from plugtrain.data.sources import check_extras, expand_inputs, is_chat, iter_documents
 from plugtrain.data.store import FORMAT_VERSION, MANIFEST, file_sha256, token_dtype
 from plugtrain.data.tokenizer import Tokenizer
@@ -156,13 +156,15 @@ def _chunks(
 
 class Encoded(NamedTuple):
     """A chunk's token stream, each document's length, for chat data the assistant mask (one
-    byte per token) and how many conversations were truncated and dropped."""
+    byte per token), how many conversations were truncated and dropped, and how many were of
+    each length before any was cut."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     mask: np.ndarray | None = None
     truncated: int = 0
     dropped: int = 0
+    histogram: np.ndarray | None = None
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -183,11 +185,12 @@ def encode_chunk(
     """The chunk's token stream (``[bos] ids [eos]`` per document; the template's tokens per
     conversation with ``chat``) and each document's length."""
     if chat is not None:
-        ids, masks, truncated, dropped = chat.encode(texts, tokenizer)
+        ids, masks, truncated, dropped, rendered = chat.encode(texts, tokenizer)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         tokens = np.fromiter((i for one in ids for i in one), dtype=dtype, count=lengths.sum())
         mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
-        return Encoded(tokens, lengths, mask, truncated, dropped)
+        histogram = np.bincount(np.asarray(rendered, dtype=np.int64), minlength=1)
+        return Encoded(tokens, lengths, mask, truncated, dropped, histogram)
     encoded = tokenizer.encode_batch(texts)
     head = 0 if tokenizer.bos_id is None else 1
     lengths = np.fromiter(
@@ -495,6 +498,8 @@ def _write(
     """Write the encoded chunks into ``folder``'s shards; return the manifest's counts."""
     writer = _ShardWriter(folder, layout.shard_tokens, masked=chat is not None)
     num_tokens = num_docs = input_bytes = truncated = dropped = 0
+    # Conversations by length, uncut: bounded by the longest, however many there are.
+    histogram = np.zeros(1, np.int64)
     with closing(progress):
         for encoded, info in chunks:
             writer.write(encoded, info)
@@ -502,6 +507,10 @@ def _write(
             num_docs += len(encoded.lengths)
             truncated += encoded.truncated
             dropped += encoded.dropped
+            if encoded.histogram is not None:
+                longer = max(len(histogram), len(encoded.histogram))
+                histogram = np.pad(histogram, (0, longer - len(histogram)))
+                histogram[: len(encoded.histogram)] += encoded.histogram
             input_bytes += info.nbytes
             progress.update(info.read, len(encoded.tokens))
         writer.close()
@@ -516,6 +525,8 @@ def _write(
             "conversations": num_docs + dropped,
             "truncated": truncated,
             "dropped": dropped,
+            # Token lengths before cutting: the run's line on cut ones names a seq_len that fits.
+            "lengths": length_percentiles(histogram),
         }
     return {
         "format_version": FORMAT_VERSION,

@@ -26,6 +26,7 @@ from plugtrain.data import (
     StatefulBatchLoader,
     TokenStore,
     count_eval_batches,
+    fitting_seq_len,
     open_token_store,
 )
 from plugtrain.distributed import ParallelDims
@@ -162,13 +163,14 @@ def _store(config: JobConfig, dims: ParallelDims, path: str, key: str) -> TokenS
         counts = store.chat
         logger.info(
             "%s '%s': %d conversations; %d longer than %d tokens truncated, %d dropped "
-            "(data.chat_overlong)",
+            "(data.chat_overlong)%s",
             key,
             path,
             counts["conversations"],
             counts["truncated"],
             counts["max_tokens"],
             counts["dropped"],
+            fitting_seq_len(counts),
         )
     return store
 
