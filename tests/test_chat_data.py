@@ -207,3 +207,25 @@ def test_chat_training_data_resolves_auto_attention_to_document_masking() -> Non
             expected == "document",
         )
     assert JobConfig().model.attention == "auto"  # unresolved until the data is read
+
+
+@pytest.mark.parametrize(
+    ("trained", "validated"), [("chat", "text"), ("text", "chat"), ("chat", "chat")]
+)
+def test_validation_data_of_another_kind_than_the_training_data_is_said_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trained: str, validated: str
+) -> None:
+    paths = {"chat": str(CHAT), "text": str(SAMPLE / "validation.jsonl")}
+    args = ("--data.train_path", paths[trained], "--data.validation_path", paths[validated])
+    make_trainer(tmp_path / "run", *args, "--validation.interval", "1")
+    warned = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+    if trained == validated:
+        assert warned == []
+        return
+    sample = {"chat": "sample:chat_validation.jsonl", "text": "sample:validation.jsonl"}
+    assert len(warned) == 1 and warned[0].endswith(
+        f"WARNING data.validation_path '{paths[validated]}' is {validated} data but the "
+        f"training data is {trained}: its loss is not the trained task's and may rise while "
+        f"the training loss falls; set data.validation_path to {trained} data (the sample's: "
+        f"{sample[trained]})"
+    ), warned

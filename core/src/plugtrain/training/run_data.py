@@ -56,11 +56,14 @@ def open_training_data(config: JobConfig, dims: ParallelDims, control: RunContro
     skipped ranges are left out of the batches. Resolves ``model.attention`` "auto" from the
     data (``config.resolve_attention``), before the model is built."""
     train_cfg = config.training
-    train, chat_template = _train_dataset(config, dims)
+    train, chat_template, kinds = _train_dataset(config, dims)
     validation = None
     if config.validation.interval:
         path, key = config.data.validation_path, "data.validation_path"
-        validation = _packed(config, _store(config, dims, path, key), path, key)
+        store = _store(config, dims, path, key)
+        if dims.is_main:
+            _check_validation_kind(store, kinds, path)
+        validation = _packed(config, store, path, key)
         # Now rather than at the first validation, which may come many steps later.
         count_eval_batches(
             validation,
@@ -83,19 +86,20 @@ def open_training_data(config: JobConfig, dims: ParallelDims, control: RunContro
 
 def _train_dataset(
     config: JobConfig, dims: ParallelDims
-) -> tuple[PackedDataset | MixtureDataset, ChatTemplate | None]:
-    """``data.train_path``'s samples, or the mixture of ``data.sources`` when set, and the
-    chat template they were rendered with."""
+) -> tuple[PackedDataset | MixtureDataset, ChatTemplate | None, set[str]]:
+    """``data.train_path``'s samples, or the mixture of ``data.sources`` when set, the chat
+    template they were rendered with, and their kinds ("chat", "text")."""
     data = config.data
     named = [(s["path"], f"data.sources[{i}]") for i, s in enumerate(data.sources)]
     named = named or [(data.train_path, "data.train_path")]
     stores = [_store(config, dims, path, key) for path, key in named]
+    kinds = {_kind(store) for store in stores}
     # Read before the model is built, so that "auto" attention can follow the data.
-    config.resolve_attention(chat=any(store.chat is not None for store in stores))
+    config.resolve_attention(chat="chat" in kinds)
     datasets = [_packed(config, store, *where) for store, where in zip(stores, named, strict=True)]
     template = _chat_template(config, dims, stores, named)
     if not data.sources:
-        return datasets[0], template
+        return datasets[0], template, kinds
     mixture = MixtureDataset(
         datasets,
         [s.get("weight", 1.0) for s in data.sources],
@@ -103,7 +107,35 @@ def _train_dataset(
         seed=config.training.seed,
         shuffle=data.shuffle,
     )
-    return mixture, template
+    return mixture, template, kinds
+
+
+SAMPLE_VALIDATION = {"chat": "sample:chat_validation.jsonl", "text": "sample:validation.jsonl"}
+"""The shipped validation data of each kind, named in the line on a mismatched kind."""
+
+
+def _kind(store: TokenStore) -> str:
+    return "text" if store.chat is None else "chat"
+
+
+def _check_validation_kind(store: TokenStore, train_kinds: set[str], path: str) -> None:
+    """Warn in one line when the validation data is of another kind than all the training
+    data: its loss then tracks a task the run does not train on (a chat run validating on
+    the default Shakespeare text saw it rise while the training loss fell)."""
+    kind = _kind(store)
+    if kind in train_kinds:
+        return  # the same kind, or training on both
+    (trained,) = train_kinds
+    logger.warning(
+        "data.validation_path '%s' is %s data but the training data is %s: its loss is not "
+        "the trained task's and may rise while the training loss falls; set "
+        "data.validation_path to %s data (the sample's: %s)",
+        path,
+        kind,
+        trained,
+        trained,
+        SAMPLE_VALIDATION[trained],
+    )
 
 
 def _chat_template(
