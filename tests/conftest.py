@@ -56,7 +56,9 @@ def train_py() -> Path:
 
 
 def _doc_block(page: Path, label: str) -> str:
-    match = re.search(rf"<!-- {label} -->\s*```(?:bash|sh)?\n(.+?)\n```", page.read_text(), re.S)
+    match = re.search(
+        rf"<!-- {label} -->\s*```(?:bash|sh|python)?\n(.+?)\n```", page.read_text(), re.S
+    )
     assert match, f"{page.name} has no '<!-- {label} -->' command block"
     return match.group(1).strip()
 

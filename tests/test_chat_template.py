@@ -26,9 +26,16 @@ from plugtrain.commands.generate import chat_template_of
 from plugtrain.data import DEFAULT_CHAT_TEMPLATE, ChatOptions, ChatTemplate, Tokenizer
 from plugtrain.data.cache import cache_folder
 from plugtrain.data.prepare import prepare
-from plugtrain.data.store import TokenStore, document_offsets, file_sha256
+from plugtrain.data.store import file_sha256
 from plugtrain.errors import DataError
-from plugtrain.testing import SAMPLE, S3Server, make_trainer, tiny_args, tiny_run
+from plugtrain.testing import (
+    SAMPLE,
+    S3Server,
+    make_trainer,
+    stored_documents,
+    tiny_args,
+    tiny_run,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,10 +101,7 @@ def trained_ids(template: str = "") -> list[list[int]]:
     """The ids a :func:`chat_run` (``data.chat_template`` ``template``) trained on: each
     conversation of its data file, as the run's prepared cache holds it."""
     options = ChatOptions("auto", template, 64, "truncate")
-    folder = cache_folder(CHAT, file_sha256(TOKENIZER), "text", options)
-    store = TokenStore(folder)
-    ends = document_offsets(folder, 0).tolist()
-    return [store.read(a, b - a).tolist() for a, b in zip([0, *ends], ends, strict=False)]
+    return stored_documents(cache_folder(CHAT, file_sha256(TOKENIZER), "text", options))
 
 
 def transformers_ids(out: Path) -> list[list[int]]:

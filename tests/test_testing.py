@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,8 +10,12 @@ import sys
 import pytest
 import torch
 
+from plugtrain.data import ChatTemplate, Tokenizer
+from plugtrain.data.chat import encode_conversation
+from plugtrain.data.prepare import prepare
 from plugtrain.plugin import StepContext, hookimpl
 from plugtrain.testing import (
+    SAMPLE,
     HookLog,
     InjectInf,
     assert_costs,
@@ -19,6 +24,7 @@ from plugtrain.testing import (
     run_distributed,
     setup_context,
     step_context,
+    stored_documents,
     tiny_run,
 )
 
@@ -175,6 +181,21 @@ def test_a_two_process_run_matches_the_contract_on_every_rank(tmp_path):
     assert [r["skipped_steps"] for r in run.per_rank] == [[2], [2]]
     assert run.per_rank[0]["hooks"] == run.per_rank[1]["hooks"] == run.hooks
     assert sorted(run.losses) == [1, 2, 3]
+
+
+def test_stored_documents_reads_each_conversation_back_across_shards(tmp_path):
+    chat = SAMPLE / "chat_validation.jsonl"
+    tokenizer = Tokenizer.from_file(SAMPLE / "tokenizer.json")
+    template = ChatTemplate.for_tokenizer(SAMPLE / "tokenizer.json")
+    # Chunks of about 2 kB closing shards of 500 tokens: several shards.
+    folder = prepare([str(chat)], tmp_path / "out", SAMPLE / "tokenizer.json", workers=1,
+                     shard_tokens=500, chunk_bytes=2048, progress=False).folder  # fmt: skip
+    assert len(json.loads((folder / "manifest.json").read_text())["shards"]) > 2
+    expected = [
+        encode_conversation(json.loads(line)["messages"], template, tokenizer)[0]
+        for line in chat.read_text().splitlines()
+    ]
+    assert stored_documents(folder) == expected
 
 
 def test_peak_memory_counts_the_tensors_alive_at_once():

@@ -42,7 +42,8 @@ The reference data path (:mod:`~plugtrain.testing.reference`): :func:`load_jsonl
 :func:`tokenize_documents`, :class:`InMemoryStream` and :func:`build_dataset` read, frame and
 pack a JSONL file in memory, the oracle that prepared data is checked against;
 :func:`packed_documents` and :func:`document_spans` pack random documents into rows and find
-them again, the oracle of document masking.
+them again, the oracle of document masking; :func:`stored_documents` reads each document of a
+prepared folder back.
 
 The hand-written recipes (:mod:`~plugtrain.testing.recipes`): :func:`canonical_fp16_loop` is
 the canonical ``torch.amp.GradScaler`` loop (clipping optional) on a trainer's model, on its
@@ -95,6 +96,7 @@ if TYPE_CHECKING:
     from plugtrain.testing.reference import document_spans as document_spans
     from plugtrain.testing.reference import load_jsonl_texts as load_jsonl_texts
     from plugtrain.testing.reference import packed_documents as packed_documents
+    from plugtrain.testing.reference import stored_documents as stored_documents
     from plugtrain.testing.reference import tokenize_documents as tokenize_documents
     from plugtrain.testing.runs import SAMPLE as SAMPLE
     from plugtrain.testing.runs import HookLog as HookLog

@@ -7,6 +7,8 @@ trainer never uses it: it reads prepared folders (:mod:`plugtrain.data.store`), 
 must equal these exactly. :func:`packed_documents` packs random documents of given lengths
 into rows, with their documents and positions, and :func:`document_spans` finds each
 document of a row again: the oracle of document masking (each document alone).
+:func:`stored_documents` reads each document of a prepared folder back (a chat run's ids, to
+compare with transformers' ``apply_chat_template``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from plugtrain.data import (
     MicroBatch,
     PackedDataset,
     Tokenizer,
+    TokenStore,
     document_positions,
     iter_documents,
 )
@@ -121,3 +124,11 @@ def document_spans(documents: torch.Tensor) -> list[slice]:
     """Where each document of one row of ``documents`` (``MicroBatch.documents[row]``) lies."""
     starts = [0, *((documents[1:] != documents[:-1]).nonzero().flatten() + 1).tolist()]
     return [slice(a, b) for a, b in zip(starts, [*starts[1:], len(documents)], strict=True)]
+
+
+def stored_documents(folder: str | os.PathLike[str]) -> list[list[int]]:
+    """Each document's token ids in prepared ``folder``, in order: for chat data, each kept
+    conversation as the run trains on it (cut to ``seq_len`` if it was)."""
+    store = TokenStore(folder)
+    spans = (store.document_span(i) for i in range(store.num_documents))
+    return [store.read(start, end - start).tolist() for start, end in spans]
