@@ -167,7 +167,7 @@ def matmul_limit(flavor: str, dtype: str, batch: int, seq: int, step_seconds: fl
     import torch
 
     from plugtrain.model import DTYPES, FLAVORS
-    from plugtrain.observability.timing import matmul_seconds
+    from plugtrain.observability.limits import matmul_seconds
 
     gemms = FLAVORS[flavor].gemms(batch, seq)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from plugtrain.model import FLAVORS, ModelArgs, hf_config
-from plugtrain.observability.timing import matmul_seconds
+from plugtrain.observability.limits import matmul_seconds
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
 

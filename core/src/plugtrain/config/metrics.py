@@ -25,9 +25,11 @@ class MetricsConfig:
     peak_tflops: float = 0.0
     """Peak TFLOP/s per device for MFU; 0 detects it (H100, H200, A100; no MFU on CPU)."""
     matmul_limit: bool = True
-    """On CPU, time torch's matmuls at the step's GEMM shapes once at start-up (rank 0, a second
-    for the debug model) and log ``mfu_matmul_pct``: the step's model FLOP/s in percent of
-    what those matmuls reach on this machine. Off: no start-up timing, no ``mfu_matmul_pct``."""
+    """On CPU, time torch's matmuls at the step's GEMM shapes at start-up (rank 0, about two
+    seconds for the debug model; nothing once cached, per machine and shape, in
+    ``$PLUGTRAIN_CACHE/matmul_limits.json``) and log ``mfu_matmul_pct``: the step's model
+    FLOP/s in percent of what those matmuls reach on this machine. Off: no timing, no
+    ``mfu_matmul_pct``."""
     log_all_ranks: bool = False
     """Log INFO from every rank, prefixed with its rank (by default only rank 0 does)."""
 

@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from plugtrain.data.cache import cache_root as cache_root
     from plugtrain.data.cache import open_token_store as open_token_store
     from plugtrain.data.chat import DEFAULT_CHAT_TEMPLATE as DEFAULT_CHAT_TEMPLATE
     from plugtrain.data.chat import ChatEncoder as ChatEncoder

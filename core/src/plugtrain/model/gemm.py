@@ -1,7 +1,7 @@
 """One matrix product of a training step, for MFU and the roofline: :class:`Gemm`.
 
 Each family lists its step's products (``ModelSpec.gemms``); the roofline
-(``observability.timing.matmul_seconds``) times them with torch's own kernels. Free of torch.
+(``observability.limits.matmul_seconds``) times them with torch's own kernels. Free of torch.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class ModelSpec:
     """``flops_per_token(args, seq_len)``: training FLOPs a token, for MFU."""
     gemms: Callable[[Any, int, int], list[Gemm]]
     """``gemms(args, rows, seq_len)``: the matrix products of a step's forward and backward
-    of ``rows`` sequences, for the roofline (``observability.timing.matmul_seconds``)."""
+    of ``rows`` sequences, for the roofline (``observability.limits.matmul_seconds``)."""
     memory: Callable[..., MemoryEstimate]
     """The memory formula: ``memory(args, *, world_size, microbatch, seq_len, param_dtype,
     reduce_dtype, checkpointing, dp_replicate, tp, loss_chunks)``, the bytes a step holds on

@@ -1,20 +1,16 @@
 """Performance of the step: phase timing, throughput, MFU and peak memory.
 
 MFU is measured against a GPU's peak, or on CPU against the matmul limit: torch's own matmuls
-timed at the step's shapes (:func:`matmul_seconds`).
+timed at the step's shapes (:mod:`plugtrain.observability.limits`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import resource
 import time
-from collections.abc import Sequence
 
 import torch
-
-from plugtrain.model import Gemm
 
 logger = logging.getLogger("plugtrain")
 
@@ -102,42 +98,6 @@ def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
     return peak
 
 
-def matmul_seconds(
-    gemms: Sequence[Gemm], device: torch.device, dtype: torch.dtype, repeats: int = 3
-) -> float:
-    """Seconds torch's own ``mm``/``bmm`` take for ``gemms`` on ``device`` in ``dtype``: each
-    distinct shape timed alone, after one untimed call, fastest of ``repeats``, times its count.
-
-    The matmul limit of a step: no step making these products can take less. The operands are
-    constants (values do not change a GEMM's time, barring denormals) so that no random stream
-    is drawn from. On CUDA each timing synchronises, so call it at start-up, not in the loop.
-    """
-    total = 0.0
-    counts: dict[tuple[int, int, int, int], int] = {}
-    for g in gemms:
-        counts[(g.batch, g.m, g.n, g.k)] = counts.get((g.batch, g.m, g.n, g.k), 0) + g.count
-    for (batch, m, n, k), count in counts.items():
-        lead = () if batch == 1 else (batch,)
-        a = torch.full((*lead, m, k), 0.5, device=device, dtype=dtype)
-        b = torch.full((*lead, k, n), 0.5, device=device, dtype=dtype)
-        product = torch.mm if batch == 1 else torch.bmm
-        best = math.inf
-        for i in range(repeats + 1):
-            _synchronize(device)
-            start = time.perf_counter()
-            product(a, b)
-            _synchronize(device)
-            if i:  # the first call warms up the kernel choice and the allocator
-                best = min(best, time.perf_counter() - start)
-        total += count * best
-    return total
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def throughput(
     tokens_per_step: int,
     step_seconds: float,
@@ -148,8 +108,9 @@ def throughput(
 ) -> dict[str, float]:
     """Tokens per second (global and per rank), achieved TFLOP/s per rank, MFU in percent of
     ``peak`` TFLOP/s, and in percent of the matmul limit: ``matmul_step_seconds`` (a step's
-    GEMMs alone, :func:`matmul_seconds`) over ``step_seconds``, the same as the model FLOP/s
-    over the FLOP/s that torch's matmuls reach at the step's shapes."""
+    GEMMs alone, :class:`~plugtrain.observability.limits.MatmulLimit`) over ``step_seconds``,
+    the same as the model FLOP/s over the FLOP/s that torch's matmuls reach at the step's
+    shapes."""
     tokens_per_sec = tokens_per_step / step_seconds
     per_rank = tokens_per_sec / world_size
     out = {

@@ -19,7 +19,7 @@ from plugtrain.data import MixtureDataset, PackedDataset
 from plugtrain.distributed import ParallelDims, all_reduce_mean
 from plugtrain.model import ModelArgs, ModelSpec
 from plugtrain.observability import (
-    matmul_seconds,
+    MatmulLimit,
     peak_memory_gib,
     peak_tflops,
     throughput,
@@ -50,10 +50,10 @@ class RunLog:
         self.peak_tflops = (
             peak_tflops(dims.device, config.metrics.peak_tflops) if dims.is_main else None
         )
-        self.matmul_step_seconds = self._matmul_limit(dtype) if dims.is_main else None
+        self.matmul_limit = self._matmul_limit(dtype) if dims.is_main else None
 
-    def _matmul_limit(self, dtype: torch.dtype) -> float | None:
-        """Seconds the GEMMs of one of this rank's steps alone take, timed on this CPU
+    def _matmul_limit(self, dtype: torch.dtype) -> MatmulLimit | None:
+        """The matmul limit of one of this rank's steps on this CPU, cached or timed
         (``metrics.matmul_limit``); None on CUDA, whose limit is its peak."""
         train_cfg, device = self.config.training, self.dims.device
         if device.type != "cpu" or not self.config.metrics.matmul_limit:
@@ -61,7 +61,7 @@ class RunLog:
         accum = train_cfg.grad_accum_steps
         rows = train_cfg.batch_size // (self.dims.world_size * accum)
         gemms = self.spec.gemms(self.model_args, rows, train_cfg.seq_len)
-        return accum * matmul_seconds(gemms, device, dtype)
+        return MatmulLimit(gemms, device, dtype, scale=accum)
 
     def complete(self, step: int) -> None:
         """Say that the run is complete at ``step`` before it starts."""
@@ -128,7 +128,7 @@ class RunLog:
                 world_size,
                 self.spec.flops_per_token(self.model_args, train_cfg.seq_len),
                 self.peak_tflops,
-                self.matmul_step_seconds,
+                self.matmul_limit.seconds if self.matmul_limit else None,
             ),
             **times,
             memory_gib=peak_memory_gib(self.dims.device),
