@@ -144,3 +144,20 @@ def test_the_limit_is_timed_for_real_then_read_from_the_cache(cache, monkeypatch
     assert set(limit.best) == set(SHAPES) and all(t > 0 for t in limit.best.values())
     monkeypatch.setattr(limits, "time_shapes", None)  # a second timing would fail
     assert MatmulLimit(GEMMS, CPU, torch.float32).seconds == limit.seconds
+
+
+def test_a_step_that_beats_the_limit_has_it_retimed_at_most_so_often(cache, monkeypatch):
+    readings = iter([{shape: 1.0 for shape in SHAPES}, {shape: 0.01 for shape in SHAPES}])
+    monkeypatch.setattr(limits, "time_shapes", lambda shapes, device, dtype: next(readings))
+    now = [0.0]
+    monkeypatch.setattr(limits.time, "monotonic", lambda: now[0])
+    limit = MatmulLimit(GEMMS, CPU, torch.float32)  # slowed by other jobs: 5 s
+    assert limit.seconds == 5.0
+    assert limit.against(6.0) == 5.0  # not beaten: nothing timed
+    # A timing costs 4 rounds of 2 s: the next may come 800 s after this one, not before.
+    now[0] = 799.0
+    assert limit.against(1.0) == 5.0
+    now[0] = 800.0
+    assert limit.against(1.0) == pytest.approx(0.05)
+    assert cache.get(limit.machine, SHAPES) == {shape: 0.01 for shape in SHAPES}
+    assert limit.against(0.01) == pytest.approx(0.05)  # beaten again, too soon to re-time

@@ -18,7 +18,7 @@ import torch
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import ConfigError
 from plugtrain.model.llama.transformer import FLAVORS
-from plugtrain.observability import logs, timing
+from plugtrain.observability import limits, logs, timing
 from plugtrain.observability.metrics import (
     CONSOLE_SHORT_FORMS,
     TensorBoardSink,
@@ -227,6 +227,40 @@ def test_throughput_tflops_and_mfu():
     assert "mfu_matmul_pct" not in out
 
 
+def test_a_ratio_above_100_percent_is_flagged_never_given():
+    full = throughput(4096, 0.5, 8, 6_000_000, peak=None, matmul_step_seconds=0.5)
+    assert full["mfu_matmul_pct"] == 100.0
+    # The step beat its limits: the GEMMs alone took longer, the GPU ran above its peak.
+    beaten = throughput(4096, 0.5, 8, 6_000_000, peak=0.001, matmul_step_seconds=0.6)
+    assert beaten.keys() == {
+        "tokens_per_sec", "tokens_per_sec_per_rank", "tflops", "mfu_over_100",
+        "mfu_matmul_over_100",
+    }  # fmt: skip
+    assert beaten["mfu_over_100"] is beaten["mfu_matmul_over_100"] is True
+
+
+def test_a_matmul_limit_measured_too_low_is_flagged_on_the_console_and_in_the_file(
+    tmp_path, monkeypatch, capsys, restore_logger
+):
+    timed = []
+
+    def slow(shapes, device, dtype, rounds=limits.ROUNDS):  # as if other jobs held the CPU
+        timed.append(shapes)
+        return dict.fromkeys(shapes, 100.0)
+
+    monkeypatch.setenv("PLUGTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(limits, "time_shapes", slow)
+    train(tmp_path, steps=2)
+    lines = re.findall(r"INFO (step +\d+ \|.*)$", capsys.readouterr().err, re.MULTILINE)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2] and len(lines) == 2
+    for record, line in zip(records, lines, strict=True):
+        assert record["mfu_matmul_over_100"] is True and "mfu_matmul_pct" not in record
+        assert f"| mfu(mm) >100%? | tflops {record['tflops']:.3g} |" in line, line
+    # Timed once, at start-up: a re-timing would cost more than its share of the run.
+    assert len(timed) == 1
+
+
 @pytest.mark.parametrize(
     ("name", "peak"),
     [
@@ -278,9 +312,16 @@ def test_console_line_format():
     assert format_line({**quiet, "skipped_steps": 0}, shown=SHOWN) == LINE.replace(
         "mfu 41.2%", "tflops 0.0213"
     ).replace(" | skipped 2 (grad_scaler 2)", "")
-    # On CPU, the fraction of the matmul limit instead.
+    # On CPU, the fraction of the matmul limit instead; where the step beat it, a flag and the
+    # achieved TFLOP/s.
     assert format_line({**quiet, "mfu_matmul_pct": 80.04}, shown=SHOWN) == LINE.replace(
         "mfu 41.2%", "mfu(mm) 80.0%"
+    )
+    assert format_line({**quiet, "mfu_matmul_over_100": True}, shown=SHOWN) == LINE.replace(
+        "mfu 41.2%", "mfu(mm) >100%? | tflops 0.0213"
+    )
+    assert format_line({**quiet, "mfu_over_100": True}, shown=SHOWN) == LINE.replace(
+        "mfu 41.2%", "mfu >100%? | tflops 0.0213"
     )
     validation = {"step": 50, "validation_loss": 4.75, "validation_bpb": 2.01}
     validation |= {"ema/validation_loss": 4.8, "ema/validation_bpb": 2.03}

@@ -28,7 +28,8 @@ class MetricsConfig:
     """On CPU, time torch's matmuls at the step's GEMM shapes at start-up (rank 0, about two
     seconds for the debug model; nothing once cached, per machine and shape, in
     ``$PLUGTRAIN_CACHE/matmul_limits.json``) and log ``mfu_matmul_pct``: the step's model
-    FLOP/s in percent of what those matmuls reach on this machine. Off: no timing, no
+    FLOP/s in percent of what those matmuls reach on this machine; a step that beats the limit
+    is flagged (``mfu_matmul_over_100``) and has it re-timed. Off: no timing, no
     ``mfu_matmul_pct``."""
     log_all_ranks: bool = False
     """Log INFO from every rank, prefixed with its rank (by default only rank 0 does)."""

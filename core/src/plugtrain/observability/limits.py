@@ -36,6 +36,9 @@ Shape = tuple[int, int, int, int]
 ROUNDS = 3
 """Timed rounds of a start-up timing, each shape once a round, after one untimed round."""
 CACHE_FILE = "matmul_limits.json"
+RETIME_SHARE = 0.01
+"""A step that beats the limit has it re-timed, at most once per this share of the run's time:
+a re-timing may cost this share of the time since the previous timing, no more."""
 
 
 def shape_counts(gemms: Iterable[Gemm]) -> dict[Shape, int]:
@@ -164,7 +167,8 @@ class LimitCache:
 class MatmulLimit:
     """The matmul limit of a step of ``scale`` times ``gemms`` (its microbatches' products) on
     ``device`` in ``dtype``: from the cache where it holds every shape, else timed (the missing
-    shapes, :data:`ROUNDS` rounds) and cached."""
+    shapes, :data:`ROUNDS` rounds) and cached; re-timed when a step beats it
+    (:meth:`against`)."""
 
     def __init__(
         self,
@@ -180,25 +184,46 @@ class MatmulLimit:
         self.cache = cache or LimitCache()
         self.machine = machine_key(device, dtype)
         self.best = self.cache.get(self.machine, self.counts)
+        self.timed_at = time.monotonic()
         missing = [shape for shape in self.counts if shape not in self.best]
         if missing:
-            self._time(missing)
+            took = self._time(missing)
+            logger.info(
+                "matmul limit: %d GEMM shapes timed in %.1f s (cached in %s)",
+                len(missing),
+                took,
+                self.cache.path,
+            )
 
     @property
     def seconds(self) -> float:
         """Seconds the step's GEMMs alone take: no step making them can take less."""
         return self.scale * sum(n * self.best[shape] for shape, n in self.counts.items())
 
-    def _time(self, shapes: Sequence[Shape]) -> None:
-        """Time ``shapes``, keep each one's faster of the new and the known time, cache them."""
+    def against(self, step_seconds: float) -> float:
+        """:attr:`seconds`, re-timed first when a step of ``step_seconds`` beat it (a timing
+        slowed by other jobs), unless the last timing is too recent (:data:`RETIME_SHARE`)."""
+        before = self.seconds
+        # Each round times every shape once: the cost of a timing, from the limit itself.
+        cost = (ROUNDS + 1) * sum(self.best.values())
+        if step_seconds < before and time.monotonic() - self.timed_at >= cost / RETIME_SHARE:
+            took = self._time(list(self.counts))
+            logger.info(
+                "a step (%.1f ms) beat the matmul limit (%.1f ms): re-timed in %.1f s, %.1f ms",
+                step_seconds * 1e3,
+                before * 1e3,
+                took,
+                self.seconds * 1e3,
+            )
+        return self.seconds
+
+    def _time(self, shapes: Sequence[Shape]) -> float:
+        """Time ``shapes``, keep each one's faster of the new and the known time, cache them;
+        the seconds it took."""
         start = time.perf_counter()
         timed = time_shapes(shapes, self.device, self.dtype)
         for shape, t in timed.items():
             self.best[shape] = min(t, self.best.get(shape, math.inf))
         self.cache.update(self.machine, timed)
-        logger.info(
-            "matmul limit: %d GEMM shapes timed in %.1f s (cached in %s)",
-            len(shapes),
-            time.perf_counter() - start,
-            self.cache.path,
-        )
+        self.timed_at = time.monotonic()
+        return time.perf_counter() - start

@@ -18,9 +18,14 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (
                                   peak; absent on CPU or on a GPU of unknown peak [``mfu``,
                                   shown instead of ``tflops``]
 ``mfu_matmul_pct``                on CPU, the same in percent of what torch's matmuls reach on
-                                  this machine at the step's GEMM shapes, timed at start-up
+                                  this machine at the step's GEMM shapes, timed at start-up or
+                                  cached, re-timed when a step beats it
                                   (``metrics.matmul_limit``) [``mfu(mm)``, shown instead of
                                   ``tflops``]
+``mfu_over_100``,                 ``true`` in place of ``mfu_pct`` or ``mfu_matmul_pct`` above
+``mfu_matmul_over_100``           100: the limit is no limit (a wrong peak, a matmul limit
+                                  timed while other jobs slowed it), so no figure is given
+                                  [``mfu >100%?``, ``mfu(mm) >100%?``, with ``tflops``]
 ``time_step_s``                   seconds per step, the sum of the four phases below [``time``,
                                   in ms; the phases are in the file only]
 ``time_data_s``                   waiting for the batch
@@ -124,12 +129,18 @@ _TRAILING = (
     ("lr", "{:.2e}", ""),
     ("tokens_per_sec", "{:,.0f}", "blue"),
     ("mfu_pct", "{:.1f}%", "green"),
+    ("mfu_over_100", ">100%?", "red"),
     ("mfu_matmul_pct", "{:.1f}%", "green"),
+    ("mfu_matmul_over_100", ">100%?", "red"),
     ("tflops", "{:.3g}", ""),  # only without an MFU, which says the same against a limit
     ("memory_gib", "{:.2f}GiB", "yellow"),
 )
 _HAS_MFU = {"mfu_pct", "mfu_matmul_pct"}
-_LABELS = {key: label for label, key in CONSOLE_SHORT_FORMS.items()}
+# A flag stands in for its MFU under the MFU's label (the figure's own key is absent).
+_LABELS = {key: label for label, key in CONSOLE_SHORT_FORMS.items()} | {
+    "mfu_over_100": "mfu",
+    "mfu_matmul_over_100": "mfu(mm)",
+}
 
 
 def use_color(stream: IO[str]) -> bool:
@@ -164,9 +175,10 @@ def format_line(
 
     ``step    10 | loss 5.1234 | grad_clip/grad_norm 0.8123 | lr 3.00e-03 | tok/s 5,012 |
     tflops 0.021 | mem 0.41GiB | time 162ms``, with ``mfu`` instead of ``tflops`` when the
-    peak is known (``mfu(mm)`` against the CPU's matmul limit) and ``skipped 2 (grad_clip 2)``
-    once a step was vetoed. Each value is labelled with its record key, or with its short form
-    in :data:`CONSOLE_SHORT_FORMS` (the vetoing plugins in parentheses stand for
+    peak is known (``mfu(mm)`` against the CPU's matmul limit; ``mfu(mm) >100%?`` and
+    ``tflops`` where the step beat it) and ``skipped 2 (grad_clip 2)`` once a step was vetoed.
+    Each value is labelled with its record key, or with its short form in
+    :data:`CONSOLE_SHORT_FORMS` (the vetoing plugins in parentheses stand for
     ``skipped_steps.<plugin>``). Of the plugins' metrics (``<plugin>/<key>``) only those in
     ``shown`` appear, in the order of their keys, as the plugins chose them with
     :meth:`~plugtrain.plugin.SetupContext.show_on_console`; one whose flag is true only while

@@ -105,12 +105,13 @@ def throughput(
     flops_per_token: int,
     peak: float | None,
     matmul_step_seconds: float | None = None,
-) -> dict[str, float]:
+) -> dict[str, float | bool]:
     """Tokens per second (global and per rank), achieved TFLOP/s per rank, MFU in percent of
     ``peak`` TFLOP/s, and in percent of the matmul limit: ``matmul_step_seconds`` (a step's
     GEMMs alone, :class:`~plugtrain.observability.limits.MatmulLimit`) over ``step_seconds``,
     the same as the model FLOP/s over the FLOP/s that torch's matmuls reach at the step's
-    shapes."""
+    shapes. A percentage above 100 is flagged instead (``mfu_over_100``,
+    ``mfu_matmul_over_100``)."""
     tokens_per_sec = tokens_per_step / step_seconds
     per_rank = tokens_per_sec / world_size
     out = {
@@ -119,7 +120,16 @@ def throughput(
         "tflops": per_rank * flops_per_token / 1e12,
     }
     if peak:
-        out["mfu_pct"] = 100 * out["tflops"] / peak
+        out |= _percent("mfu", out["tflops"] / peak)
     if matmul_step_seconds:
-        out["mfu_matmul_pct"] = 100 * matmul_step_seconds / step_seconds
+        out |= _percent("mfu_matmul", matmul_step_seconds / step_seconds)
     return out
+
+
+def _percent(name: str, fraction: float) -> dict[str, float | bool]:
+    """``<name>_pct``, a fraction of a limit in percent; above 100% the limit was none (a
+    matmul limit timed while other jobs slowed it, a wrong peak), and no figure is given:
+    ``<name>_over_100`` flags it."""
+    if fraction > 1:
+        return {f"{name}_over_100": True}
+    return {f"{name}_pct": 100 * fraction}

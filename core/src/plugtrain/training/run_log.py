@@ -128,7 +128,7 @@ class RunLog:
                 world_size,
                 self.spec.flops_per_token(self.model_args, train_cfg.seq_len),
                 self.peak_tflops,
-                self.matmul_limit.seconds if self.matmul_limit else None,
+                self.matmul_limit.against(times["time_step_s"]) if self.matmul_limit else None,
             ),
             **times,
             memory_gib=peak_memory_gib(self.dims.device),
