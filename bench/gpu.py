@@ -7,7 +7,7 @@
 2. Throughput of the "1B" flavour (Llama 3.2 1B shapes; the vocabulary is the sample
    tokenizer's) through ``Trainer.train_step`` with both plugins enabled: tokens/s, MFU (model
    FLOPs from ``ModelArgs.flops_per_token`` over the GPU's dense bf16/fp16 peak, from
-   ``plugtrain.observability.timing.peak_tflops``, as a training run's ``mfu_pct``) and peak
+   ``plugtrain.observability.limits.peak_tflops``, as a training run's ``mfu_pct``) and peak
    memory, in bfloat16 and in float16 with the scaler. Targets: MFU >= 45% in bf16 on an
    H100/H200-class GPU; fp16 with the scaler within 3% of bf16 tokens/s.
 
@@ -167,14 +167,16 @@ def main() -> None:
     require_cuda()
     from hook_overhead import Case, run_case
 
-    from plugtrain.observability import timing
+    from plugtrain.observability import limits
 
     start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = True
     gpu_name = torch.cuda.get_device_name(0)
     memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     # The core's table of dense bf16 peaks (what a run's mfu_pct uses), or --peak-tflops.
-    peak_tflops = timing.peak_tflops(torch.device("cuda", 0), args.peak_tflops or 0.0)
+    peak_tflops = limits.peak_tflops(
+        torch.device("cuda", 0), torch.bfloat16, args.peak_tflops or 0.0
+    )
     peak = peak_tflops * 1e12 if peak_tflops else None
     print(f"{gpu_name}: dense bf16 peak {peak_tflops or '?'} TFLOP/s")
     steps = 3 if args.quick else args.steps

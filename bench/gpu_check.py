@@ -185,14 +185,16 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from gpu import free_cuda
 
-    from plugtrain.observability import timing
+    from plugtrain.observability import limits
 
     if args.dry_run:
         replace_cuda_calls()
         peak = (args.peak_tflops or 1.0) * 1e12  # a stand-in, so that MFU is computed
     else:
         torch.backends.cuda.matmul.allow_tf32 = True
-        tflops = timing.peak_tflops(torch.device("cuda", 0), args.peak_tflops or 0.0)
+        tflops = limits.peak_tflops(
+            torch.device("cuda", 0), torch.bfloat16, args.peak_tflops or 0.0
+        )
         peak = tflops * 1e12 if tflops else None
     by_id = {p.id: p for p in PARTS}
     with args.worker.open("a") as lines:

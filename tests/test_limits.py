@@ -1,10 +1,12 @@
-"""The matmul limit MFU is measured against: timed in turns, fastest round, cached per machine."""
+"""The limits MFU is measured against: a GPU's peak from the table; the matmul limit, timed in
+turns, fastest round, cached per machine, re-timed when a step beats it."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +16,11 @@ from plugtrain.observability import limits
 from plugtrain.observability.limits import (
     LimitCache,
     MatmulLimit,
+    gpu_precision,
     machine_key,
     matmul_seconds,
+    peak_tflops,
+    table_peak_tflops,
     time_shapes,
 )
 
@@ -161,3 +166,63 @@ def test_a_step_that_beats_the_limit_has_it_retimed_at_most_so_often(cache, monk
     assert limit.against(1.0) == pytest.approx(0.05)
     assert cache.get(limit.machine, SHAPES) == {shape: 0.01 for shape in SHAPES}
     assert limit.against(0.01) == pytest.approx(0.05)  # beaten again, too soon to re-time
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16", "tf32", "fp32"),
+    [  # torch.cuda.get_device_name's names
+        ("NVIDIA H100 80GB HBM3", 989.5, 494.5, 67.0),
+        ("NVIDIA H100 PCIe", 756.5, 378.0, 51.0),
+        ("NVIDIA H100 NVL", 835.5, 417.5, 60.0),
+        ("NVIDIA H200", 989.5, 494.5, 67.0),
+        ("NVIDIA H200 NVL", 835.5, 417.5, 60.0),
+        ("NVIDIA GH200 480GB", 989.5, 494.5, 67.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0, 156.0, 19.5),
+        ("NVIDIA A100-PCIE-40GB", 312.0, 156.0, 19.5),
+        ("NVIDIA B200", 2250.0, 1100.0, 75.0),
+        ("NVIDIA GB200", 2500.0, 1250.0, 80.0),
+    ],
+)
+def test_the_peak_table_gives_each_gpu_its_dense_peak_per_precision(name, bf16, tf32, fp32):
+    peaks = {p: table_peak_tflops(name, p) for p in ("bf16", "fp16", "tf32", "fp32")}
+    assert peaks == {"bf16": bf16, "fp16": bf16, "tf32": tf32, "fp32": fp32}
+
+
+def test_an_unknown_gpu_has_no_peak_and_says_so(monkeypatch, warnings_logged):
+    assert table_peak_tflops("NVIDIA GeForce RTX 4090", "bf16") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L4")
+    assert peak_tflops(torch.device("cuda", 0), torch.float16) is None
+    assert warnings_logged == [
+        "MFU is not reported: no fp16 peak TFLOP/s known for GPU 'NVIDIA L4'; "
+        "set metrics.peak_tflops"
+    ]
+    assert peak_tflops(torch.device("cuda", 0), torch.float16, override=100.0) == 100.0
+
+
+def test_the_run_looks_its_gpu_up_in_its_compute_precision(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    cuda = torch.device("cuda", 0)
+    assert peak_tflops(cuda, torch.bfloat16) == 756.5
+    assert peak_tflops(cuda, torch.float32) == 51.0
+    assert gpu_precision(torch.float32) == "fp32"
+    # As torch.backends.cuda.matmul.fp32_precision = "tf32" does, without setting it for the
+    # rest of the session (where torch's older switch would then refuse to be read).
+    monkeypatch.setattr(torch.backends.cuda, "matmul", SimpleNamespace(fp32_precision="tf32"))
+    assert peak_tflops(cuda, torch.float32) == 378.0
+    assert machine_key(cuda, torch.float32).startswith("NVIDIA H100 PCIe (tf32); torch ")
+    assert peak_tflops(torch.device("cpu"), torch.float32) is None  # no peak: mfu(mm) only
+
+
+def test_a_retiming_that_runs_out_of_memory_keeps_the_limit(cache, timings, monkeypatch):
+    limit = MatmulLimit(GEMMS, CPU, torch.float32)
+    tries = []
+
+    def out_of_memory(shapes, device, dtype):
+        tries.append(shapes)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(limits, "time_shapes", out_of_memory)
+    monkeypatch.setattr(limits.time, "monotonic", lambda: 1e6)  # long after the first timing
+    assert limit.against(1e-6) == limit.seconds == pytest.approx(4 * 8e-3 + 4e-3)
+    assert limit.against(1e-6) == limit.seconds  # counts as a timing: not tried again at once
+    assert len(tries) == 1

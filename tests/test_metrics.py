@@ -25,7 +25,7 @@ from plugtrain.observability.metrics import (
     format_line,
     use_color,
 )
-from plugtrain.observability.timing import StepTimer, peak_tflops, throughput
+from plugtrain.observability.timing import StepTimer, throughput
 from plugtrain.testing import SAMPLE, read_metrics, run_script, tiny_args
 from plugtrain.training.launch import configure
 from plugtrain.training.trainer import Trainer
@@ -261,26 +261,20 @@ def test_a_matmul_limit_measured_too_low_is_flagged_on_the_console_and_in_the_fi
     assert len(timed) == 1
 
 
-@pytest.mark.parametrize(
-    ("name", "peak"),
-    [
-        ("NVIDIA H100 80GB HBM3", 989.5),
-        ("NVIDIA H100 PCIe", 756.5),
-        ("NVIDIA H100 NVL", 835.5),
-        ("NVIDIA H200", 989.5),
-        ("NVIDIA A100-SXM4-80GB", 312.0),
-        ("NVIDIA A100 80GB PCIe", 312.0),
-        ("NVIDIA GeForce RTX 4090", None),
-    ],
-)
-def test_peak_of_the_detected_gpu(monkeypatch, name, peak):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert peak_tflops(torch.device("cuda", 0)) == peak
-    assert peak_tflops(torch.device("cuda", 0), override=100.0) == 100.0
+def test_a_matmul_limit_that_runs_out_of_memory_is_left_out(
+    tmp_path, monkeypatch, capsys, restore_logger
+):
+    def out_of_memory(shapes, device, dtype, rounds=limits.ROUNDS):
+        raise torch.OutOfMemoryError("CUDA out of memory")
 
-
-def test_no_peak_and_no_mfu_on_cpu():
-    assert peak_tflops(torch.device("cpu")) is None
+    monkeypatch.setenv("PLUGTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(limits, "time_shapes", out_of_memory)
+    train(tmp_path, steps=1)
+    assert set(read_metrics(tmp_path)[0]) == STEP_KEYS - {"mfu_matmul_pct"}
+    assert re.findall(r"WARNING (.*)", capsys.readouterr().err) == [
+        "mfu(mm) is not reported: timing the step's GEMMs ran out of memory (set "
+        "metrics.matmul_limit = false to skip it)"
+    ]
 
 
 RECORD = {

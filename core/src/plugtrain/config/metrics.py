@@ -23,7 +23,8 @@ class MetricsConfig:
     """Trace every hook call (plugins, order, time) to ``<dump_folder>/hook_trace.rank<N>.jsonl``
     and summarise per-plugin time at the end; ``PLUGTRAIN_TRACE_HOOKS=1`` or ``0`` overrides."""
     peak_tflops: float = 0.0
-    """Peak TFLOP/s per device for MFU; 0 detects it (H100, H200, A100; no MFU on CPU)."""
+    """Peak TFLOP/s per device for MFU; 0 looks the GPU up in a table of dense peaks by compute
+    precision (A100, H100, H200, B200, GB200; no MFU on CPU or on a GPU it does not know)."""
     matmul_limit: bool = True
     """On CPU, time torch's matmuls at the step's GEMM shapes at start-up (rank 0, about two
     seconds for the debug model; nothing once cached, per machine and shape, in

@@ -1,15 +1,18 @@
-"""The limits MFU is measured against: the matmul limit of a step, timed and cached.
+"""The limits MFU is measured against: a GPU's peak, and the matmul limit, timed and cached.
 
-The matmul limit is the time torch's own ``mm``/``bmm`` take for the GEMMs of a step
-(``ModelSpec.gemms``), each distinct shape timed alone: no step making those products can take
-much less. One reading on a shared machine can be slowed by its neighbours, never sped up, so
-the limit keeps the fastest time seen: each shape is timed in turns with the others (a burst
-of load then slows one reading of each, not every reading of one), ``rounds`` times after an
-untimed round, and its fastest time is cached per machine and shape in
-``<cache>/matmul_limits.json`` (``$PLUGTRAIN_CACHE``, default ``$XDG_CACHE_HOME/plugtrain``,
-else ``~/.cache/plugtrain``). A run whose shapes are all cached times nothing; a new reading
-only ever lowers a cached time. The machine is the CPU model and core count with torch's
-intra-op threads (or the GPU's name), torch's version and the dtype.
+A GPU's peak is its data sheet's dense TFLOP/s in the step's compute precision
+(:data:`PEAK_TFLOPS`): an upper bound no step reaches. The matmul limit, measured beside it on
+a GPU and in its place on a CPU (which has no peak to speak of), is the time torch's own
+``mm``/``bmm`` take for the GEMMs of a step (``ModelSpec.gemms``), each distinct shape timed
+alone: no step making those products can take much less. One reading on a shared machine can
+be slowed by its neighbours, never sped up, so the limit keeps the fastest time seen: each
+shape is timed in turns with the others (a burst of load then slows one reading of each, not
+every reading of one), :data:`ROUNDS` times after an untimed round, and its fastest time is
+cached per machine and shape in ``<cache>/matmul_limits.json`` (``$PLUGTRAIN_CACHE``, default
+``$XDG_CACHE_HOME/plugtrain``, else ``~/.cache/plugtrain``). A run whose shapes are all cached
+times nothing; a new reading only ever lowers a cached time. The machine is the CPU model and
+core count with torch's intra-op threads (or the GPU's name and whether fp32 runs as TF32),
+torch's version and the dtype.
 """
 
 from __future__ import annotations
@@ -39,6 +42,58 @@ CACHE_FILE = "matmul_limits.json"
 RETIME_SHARE = 0.01
 """A step that beats the limit has it re-timed, at most once per this share of the run's time:
 a re-timing may cost this share of the time since the previous timing, no more."""
+
+
+# Dense (no sparsity) peaks in TFLOP/s per GPU, from NVIDIA's data sheets (which give most
+# tensor-core figures with sparsity: twice these), by compute precision: bf16 and fp16 tensor
+# cores, tf32 tensor cores (fp32 GEMMs where torch allows TF32), fp32 without. Matched,
+# ignoring case, against torch.cuda.get_device_name; the first match wins.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("GB200", {"bf16": 2500.0, "fp16": 2500.0, "tf32": 1250.0, "fp32": 80.0}),
+    ("B200", {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0}),  # HGX B200
+    ("H200 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    ("H200", {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}),  # SXM, GH200
+    ("H100 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    ("H100 PCIe", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.0}),
+    ("H100", {"bf16": 989.5, "fp16": 989.5, "tf32": 494.5, "fp32": 67.0}),  # SXM
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),  # SXM and PCIe
+)
+
+
+def gpu_precision(dtype: torch.dtype) -> str:
+    """The row of :data:`PEAK_TFLOPS` a CUDA GEMM in ``dtype`` runs at: ``bf16``, ``fp16``,
+    ``tf32`` (float32 where torch allows TF32) or ``fp32``."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return "bf16" if dtype == torch.bfloat16 else "fp16"
+    # The setting both of torch's TF32 switches set (and read without mixing them).
+    return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
+
+
+def table_peak_tflops(device_name: str, precision: str) -> float | None:
+    """The dense peak TFLOP/s of the GPU named ``device_name`` at ``precision`` (a key of
+    :data:`PEAK_TFLOPS`' rows), or None for a GPU the table does not know."""
+    name = device_name.casefold()
+    row = next((peaks for key, peaks in PEAK_TFLOPS if key.casefold() in name), None)
+    return row[precision] if row else None
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: float = 0.0) -> float | None:
+    """The device's peak TFLOP/s for MFU of GEMMs in ``dtype``: ``override`` if > 0, the
+    table's entry for a known GPU, else None (CPU, or an unknown GPU: MFU is then omitted
+    rather than invented)."""
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name, precision = torch.cuda.get_device_name(device), gpu_precision(dtype)
+    peak = table_peak_tflops(name, precision)
+    if peak is None:
+        logger.warning(
+            "MFU is not reported: no %s peak TFLOP/s known for GPU '%s'; set metrics.peak_tflops",
+            precision,
+            name,
+        )
+    return peak
 
 
 def shape_counts(gemms: Iterable[Gemm]) -> dict[Shape, int]:
@@ -97,10 +152,10 @@ def _synchronize(device: torch.device) -> None:
 
 
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:
-    """What a cached time holds for: the GPU's name, or the CPU's model, cores and torch's
-    threads; torch's version; ``dtype``."""
+    """What a cached time holds for: the GPU's name and precision (TF32 or not), or the CPU's
+    model, cores and torch's threads; torch's version; ``dtype``."""
     if device.type == "cuda":
-        machine = torch.cuda.get_device_name(device)
+        machine = f"{torch.cuda.get_device_name(device)} ({gpu_precision(dtype)})"
     else:
         machine = f"{_cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
     return f"{machine}; torch {torch.__version__}; {dtype}"
@@ -207,7 +262,11 @@ class MatmulLimit:
         # Each round times every shape once: the cost of a timing, from the limit itself.
         cost = (ROUNDS + 1) * sum(self.best.values())
         if step_seconds < before and time.monotonic() - self.timed_at >= cost / RETIME_SHARE:
-            took = self._time(list(self.counts))
+            try:
+                took = self._time(list(self.counts))
+            except torch.OutOfMemoryError:  # on a GPU the step left too little: keep the limit
+                self.timed_at = time.monotonic()
+                return before
             logger.info(
                 "a step (%.1f ms) beat the matmul limit (%.1f ms): re-timed in %.1f s, %.1f ms",
                 step_seconds * 1e3,

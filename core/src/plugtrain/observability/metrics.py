@@ -14,14 +14,14 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (
 ``tokens_per_sec``                training tokens per second over all ranks [``tok/s``]
 ``tokens_per_sec_per_rank``       the same per rank
 ``tflops``                        achieved model TFLOP/s per rank (``ModelArgs.flops_per_token``)
-``mfu_pct``                       model FLOPs utilisation in percent of the GPU's dense bf16
-                                  peak; absent on CPU or on a GPU of unknown peak [``mfu``,
-                                  shown instead of ``tflops``]
-``mfu_matmul_pct``                on CPU, the same in percent of what torch's matmuls reach on
-                                  this machine at the step's GEMM shapes, timed at start-up or
+``mfu_pct``                       model FLOPs utilisation in percent of the GPU's dense peak
+                                  in the step's compute precision; absent on CPU or on a GPU
+                                  of unknown peak [``mfu``, shown instead of ``tflops``]
+``mfu_matmul_pct``                the same in percent of what torch's matmuls reach on this
+                                  machine at the step's GEMM shapes, timed at start-up or
                                   cached, re-timed when a step beats it
-                                  (``metrics.matmul_limit``) [``mfu(mm)``, shown instead of
-                                  ``tflops``]
+                                  (``metrics.matmul_limit``); on a GPU beside ``mfu_pct``
+                                  [``mfu(mm)``, shown instead of ``tflops``]
 ``mfu_over_100``,                 ``true`` in place of ``mfu_pct`` or ``mfu_matmul_pct`` above
 ``mfu_matmul_over_100``           100: the limit is no limit (a wrong peak, a matmul limit
                                   timed while other jobs slowed it), so no figure is given

@@ -1,7 +1,7 @@
 """Performance of the step: phase timing, throughput, MFU and peak memory.
 
-MFU is measured against a GPU's peak, or on CPU against the matmul limit: torch's own matmuls
-timed at the step's shapes (:mod:`plugtrain.observability.limits`).
+MFU is measured against a GPU's peak and against the matmul limit: torch's own matmuls timed at
+the step's shapes (both in :mod:`plugtrain.observability.limits`).
 """
 
 from __future__ import annotations
@@ -67,35 +67,6 @@ class StepTimer:
         self._seconds = dict.fromkeys(self.PHASES, 0.0)
         self._steps = 0
         return times
-
-
-# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from NVIDIA's data sheets; fp16 has
-# the same peak. Matched against torch.cuda.get_device_name, most specific names first.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200 NVL", 835.5),
-    ("H200", 989.5),  # H200 SXM, GH200
-    ("H100 NVL", 835.5),
-    ("H100 PCIe", 756.5),
-    ("H100", 989.5),  # H100 SXM
-    ("A100", 312.0),
-)
-
-
-def peak_tflops(device: torch.device, override: float = 0.0) -> float | None:
-    """The device's peak TFLOP/s for MFU: ``override`` if > 0, the table's entry for a known
-    GPU, else None (CPU, or an unknown GPU: MFU is then omitted rather than invented)."""
-    if override > 0:
-        return override
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in name), None)
-    if peak is None:
-        logger.warning(
-            "MFU is not reported: no peak TFLOP/s known for GPU '%s'; set metrics.peak_tflops",
-            name,
-        )
-    return peak
 
 
 def throughput(

@@ -48,20 +48,27 @@ class RunLog:
     ) -> None:
         self.config, self.dims, self.spec, self.model_args = config, dims, spec, model_args
         self.peak_tflops = (
-            peak_tflops(dims.device, config.metrics.peak_tflops) if dims.is_main else None
+            peak_tflops(dims.device, dtype, config.metrics.peak_tflops) if dims.is_main else None
         )
         self.matmul_limit = self._matmul_limit(dtype) if dims.is_main else None
 
     def _matmul_limit(self, dtype: torch.dtype) -> MatmulLimit | None:
-        """The matmul limit of one of this rank's steps on this CPU, cached or timed
-        (``metrics.matmul_limit``); None on CUDA, whose limit is its peak."""
+        """The matmul limit of one of this rank's steps on this device, cached or timed
+        (``metrics.matmul_limit``): on a GPU, beside its peak."""
         train_cfg, device = self.config.training, self.dims.device
-        if device.type != "cpu" or not self.config.metrics.matmul_limit:
+        if not self.config.metrics.matmul_limit:
             return None
         accum = train_cfg.grad_accum_steps
         rows = train_cfg.batch_size // (self.dims.world_size * accum)
         gemms = self.spec.gemms(self.model_args, rows, train_cfg.seq_len)
-        return MatmulLimit(gemms, device, dtype, scale=accum)
+        try:
+            return MatmulLimit(gemms, device, dtype, scale=accum)
+        except torch.OutOfMemoryError:
+            logger.warning(
+                "mfu(mm) is not reported: timing the step's GEMMs ran out of memory (set "
+                "metrics.matmul_limit = false to skip it)"
+            )
+            return None
 
     def complete(self, step: int) -> None:
         """Say that the run is complete at ``step`` before it starts."""
