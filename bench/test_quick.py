@@ -15,6 +15,8 @@ scaler leaves the profile unchanged while the active one does not, FSDP2 splits 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -218,6 +220,13 @@ def test_roofline(tmp_path):
     norms = 6 * result["tokens_per_step"] * (2 * 4 + 1) * 256  # debug: 4 layers, dim 256
     assert result["gemm_flops_per_step"] == result["model_flops_per_step"] - norms
     assert result["fraction_of_limit"]["ratio"]["median"] > 0
+    # Ceiling (b): the machine's best square GEMM, at all threads or the case's.
+    machine = result["machine_gemm"]
+    assert machine["side"] == 1024 and machine["threads"] in {1, os.cpu_count()}
+    achieved = [result["model_flops_per_step"] / s / 1e9 for s in result["step_seconds"]]
+    assert result["fraction_of_machine"]["ratio"]["median"] == pytest.approx(
+        statistics.median(achieved) / machine["gflops"]
+    )
     split = result["profile_split"]
     assert list(split) == [
         "gemm", "attention", "loss", "optimizer", "other operators", "hooks", "unattributed",
