@@ -35,6 +35,8 @@ from plugtrain.testing import (
 from plugtrain.training.launch import configure, run_cli
 from plugtrain.training.trainer import Trainer
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # in-process trainers
+
 # -- the scenarios, run in-process (a world of one) or on each rank by run_distributed --
 
 K = 4
@@ -152,15 +154,6 @@ def two_rank_scenarios(root: str) -> list[dict]:
 
 
 CKPT = ("--checkpoint.enable", "true", "--checkpoint.interval", "2")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """NOTE: in-process trainers on a busy 2-core machine are 50x faster with one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -37,17 +37,10 @@ from plugtrain.training.run_info import (
     summary_lines,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # in-process trainers
+
 FINAL = ("--checkpoint.save_final", "true")
 """What a run does by default, which the test kit's runs turn off."""
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """NOTE: in-process trainers on a busy 2-core machine are far faster with one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
-"""The kit's pytest plugin: the ``plugtrain_run``, ``plugtrain_cache`` and ``s3_server`` fixtures.
+"""The kit's pytest plugin: fixtures for tiny runs, the data cache, an S3 server, one thread.
+
+``plugtrain_run``, ``plugtrain_cache``, ``s3_server`` and ``one_thread``.
 
 Installing plugtrain registers this module with pytest (the ``pytest11`` entry point
 ``plugtrain``), in every pytest session of the environment, so loading it costs nothing: it
@@ -66,3 +68,15 @@ def s3_server() -> Iterator[S3Server]:
 
     with S3Server() as server, server.environ():
         yield server
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test, restored after: in-process trainers on a busy 2-core
+    machine run far faster so (use it module-wide with ``pytest.mark.usefixtures``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
