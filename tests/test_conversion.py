@@ -53,9 +53,12 @@ class Adapter:
             out_dim, in_dim = linear.weight.shape
             a_name, b_name = f"{module}.lora_a", f"{module}.lora_b"
             # Under tensor parallelism the factor on the split side is split like the weight:
-            # B's output rows for column-wise wq, A's input columns for row-wise wo.
-            split = ShardLike(f"{module}.weight")
+            # B's output rows for column-wise wq, A's input columns for row-wise wo. wq names
+            # its styles; wo's follow the plan, each factor by the dimension it shares.
+            weight = f"{module}.weight"
             column_wise = module.endswith("wq")
+            a_style = "replicate" if column_wise else ShardLike(weight, dim=1)
+            b_style = ShardLike(weight) if column_wise else ShardLike(weight, dim=0)
 
             def merge(weight, added, a_name=a_name, b_name=b_name):
                 return weight + SCALE * added[b_name] @ added[a_name]
@@ -66,7 +69,7 @@ class Adapter:
                 "lora_a",
                 (RANK, in_dim),
                 init=lambda t, g: t.normal_(0.0, 0.02, generator=g),
-                tp="replicate" if column_wise else split,
+                tp=a_style,
                 export="drop",
             )
             ctx.add_parameter(
@@ -75,7 +78,7 @@ class Adapter:
                 "lora_b",
                 (out_dim, RANK),
                 init=lambda t, g: t.zero_(),
-                tp=split if column_wise else "replicate",
+                tp=b_style,
                 export=MergeInto(f"{module}.weight", merge),
             )
 
@@ -359,6 +362,13 @@ def test_one_line_refusals(tmp_path):
     refused = pytest.raises(PluginError, match=r"set parallelism\.tp = 1")
     with refused as e, conversion.tensor_parallel(model, None):  # type: ignore[arg-type]
         pass
+    assert "\n" not in str(e.value)
+    # A factor split like a base along a dimension it shares with it, of the same size.
+    like = ShardLike("layers.0.attention.wq.weight", dim=0)
+    with pytest.raises(PluginError, match="along dimension 0, which they do not share") as e:
+        conversion.add(
+            model, "p", "layers.0.attention.wq", "y", (3, 2), lambda t, g: t, like, "drop"
+        )
     assert "\n" not in str(e.value)
 
 

@@ -141,8 +141,9 @@ class ConvertContext:
           ``training.seed`` and the parameter's place after the model's own plan, in the
           order of the added names, so a run is reproducible whatever the plugins' order;
         * ``tp`` is how tensor parallelism places it: ``"replicate"``, ``ShardLike(base)``
-          (with the placements of base parameter ``base``), or None, which refuses
-          ``parallelism.tp`` above 1 in one line;
+          (with the placements of base parameter ``base``), ``ShardLike(base, dim=d)`` (split
+          only where ``base`` splits dimension ``d``, which both share), or None, which
+          refuses ``parallelism.tp`` above 1 in one line;
         * ``export`` is what the Hugging Face export does with it: ``"drop"`` it, or
           ``MergeInto(base, fn)``, which writes ``fn(base_weight, added)`` in place of base
           parameter ``base`` (``added`` maps every added parameter's full name to its full

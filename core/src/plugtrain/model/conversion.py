@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from plugtrain.errors import PluginError
 from plugtrain.model.init import Fill
@@ -54,9 +54,26 @@ _ATTRIBUTE = "_plugtrain_conversion"
 class ShardLike:
     """Tensor-parallel style: placed as base parameter ``base`` is (its placements over the
     ``tp`` mesh), e.g. LoRA's B of a column-wise ``wq`` (``Shard(0)``, the output rows) or its
-    A of a row-wise ``wo`` (``Shard(1)``, the input columns)."""
+    A of a row-wise ``wo`` (``Shard(1)``, the input columns).
+
+    With ``dim``, only a split of that dimension is copied and the parameter is replicated
+    otherwise: the parameter shares that one dimension with the base (LoRA's A shares the
+    input columns, ``dim=1``; its B the output rows, ``dim=0``), so its placement follows the
+    family's plan for the base, column-wise or row-wise, without the plugin knowing which."""
 
     base: str
+    dim: int | None = None
+
+    def placements(self, like: Any) -> tuple[Placement, ...]:
+        """The placements for a parameter shaped like this, where the base is ``like``."""
+        if not isinstance(like, DTensor):
+            return (Replicate(),)
+        if self.dim is None:
+            return tuple(like.placements)
+        return tuple(
+            p if isinstance(p, Shard) and p.dim == self.dim else Replicate()
+            for p in like.placements
+        )
 
 
 @dataclass(frozen=True)
@@ -149,6 +166,16 @@ class Conversion:
                 f"plugin '{plugin}' shards '{full}' like '{tp.base}', which is no base "
                 "parameter of the model: name one of model.named_parameters()"
             )
+        if isinstance(tp, ShardLike) and tp.dim is not None:
+            base_shape = tuple(base[tp.base].shape)
+            if not (0 <= tp.dim < min(len(shape), len(base_shape))) or (
+                shape[tp.dim] != base_shape[tp.dim]
+            ):
+                raise PluginError(
+                    f"plugin '{plugin}' shards '{full}' of shape {tuple(shape)} like "
+                    f"'{tp.base}' of shape {base_shape} along dimension {tp.dim}, which they do "
+                    "not share: give the dimension both have with the same size"
+                )
         if tp not in (None, "replicate") and not isinstance(tp, ShardLike):
             raise PluginError(
                 f"plugin '{plugin}' gives '{full}' the tensor-parallel style {tp!r}: give "
@@ -201,8 +228,7 @@ class Conversion:
         for name, param in detached.items():
             style = self.added[name].tp
             if isinstance(style, ShardLike):
-                like = params[style.base]
-                placements = like.placements if isinstance(like, DTensor) else (Replicate(),)
+                placements = style.placements(params[style.base])
             else:
                 placements = (Replicate(),)
             dist = distribute_tensor(param.data, tp_mesh, placements, src_data_rank=None)
