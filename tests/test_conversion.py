@@ -24,6 +24,7 @@ from plugtrain.plugin import (
     wrap_forward,
 )
 from plugtrain.testing import (
+    convert_context,
     interrupted_and_resumed,
     make_trainer,
     read_metrics,
@@ -129,6 +130,15 @@ def test_the_base_stays_bitwise_and_only_the_adapters_train(tmp_path):
     )
     assert moments == 2 * 4 * trainable
     assert trainer.params == tuple(params[n] for n in params if n in added_names())
+
+
+def test_the_kits_convert_context_runs_a_plugins_convert_model():
+    adapter = Adapter()
+    ctx = convert_context({"adapter": adapter})
+    adapter.convert_model(ctx)
+    assert sorted(ctx.conversion.added) == added_names()
+    assert ctx.model.get_submodule("layers.0.attention.wq").lora_a.is_meta
+    assert not any(p.requires_grad for n, p in ctx.model.named_parameters() if "lora" not in n)
 
 
 class EveryParameter:

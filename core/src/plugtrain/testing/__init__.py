@@ -20,7 +20,7 @@ Runs (:mod:`~plugtrain.testing.runs`, :mod:`~plugtrain.testing.processes`):
   training script as a user would (python, or torchrun for several processes).
 
 Unit tests of one hook (:mod:`~plugtrain.testing.contexts`): :func:`step_context`,
-:func:`setup_context` and :func:`model_context` build real contexts.
+:func:`setup_context`, :func:`model_context` and :func:`convert_context` build real contexts.
 
 Faults (:mod:`~plugtrain.testing.faults`): :class:`InjectInf` puts inf into the loss or one
 rank's gradients at given steps (:func:`poison` does it by hand); :class:`PoisonBatches` makes
@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from plugtrain.testing.checks import assert_costs as assert_costs
     from plugtrain.testing.checks import check_order_independence as check_order_independence
     from plugtrain.testing.checks import count_costs as count_costs
+    from plugtrain.testing.contexts import convert_context as convert_context
     from plugtrain.testing.contexts import model_context as model_context
     from plugtrain.testing.contexts import setup_context as setup_context
     from plugtrain.testing.contexts import step_context as step_context

@@ -1,4 +1,4 @@
-"""Real contexts for calling one hook in a unit test: step, setup and model contexts.
+"""Real contexts for calling one hook in a unit test: step, setup, model and convert contexts.
 
 One process, the CPU; the config is validated as a run validates it, so a bad value raises
 :class:`~plugtrain.plugin.ConfigError`.
@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from plugtrain.checkpoint import export_checkpoint
-from plugtrain.plugin import ModelContext, ParallelDims, SetupContext, StepContext
+from plugtrain.plugin import (
+    ConvertContext,
+    ModelContext,
+    ParallelDims,
+    SetupContext,
+    StepContext,
+)
 from plugtrain.testing.runs import tiny_args
 
 if TYPE_CHECKING:
@@ -175,5 +181,29 @@ def model_context(
         param_dtype=param_dtype,
         reduce_dtype=torch.float32,
         parallel_dims=parallel_dims or ParallelDims(),
+        name_of=name_of,
+    )
+
+
+def convert_context(
+    plugins: dict[str, object] | None = None,
+    *args: str,
+    parallel_dims: ParallelDims | None = None,
+) -> ConvertContext:
+    """A real :class:`~plugtrain.plugin.ConvertContext` for calling ``convert_model`` in a
+    unit test: the tiny flavor's ``Transformer`` on the meta device, as a run converts it,
+    its conversion record open (``ctx.conversion``). ``plugins`` and ``args`` as for
+    :func:`setup_context`; ``parallel_dims`` the job's layout (one process by default)."""
+    from plugtrain.model import FLAVORS, Conversion, Transformer
+
+    config, name_of = _configured(plugins, args)
+    with torch.device("meta"):
+        model = Transformer(FLAVORS["tiny"])
+    return ConvertContext(
+        config=config,
+        model=model,
+        blocks=tuple(model.layers),  # type: ignore[arg-type]
+        parallel_dims=parallel_dims or ParallelDims(),
+        conversion=Conversion(open=True),
         name_of=name_of,
     )
