@@ -1,0 +1,162 @@
+"""lora: trains low-rank adapters on the model's projections, the base frozen (LoRA).
+
+Each target ``nn.Linear`` (``layers.N.attention.wq`` ...) keeps its ``weight`` and gains two
+parameters in the conversion phase (``convert_model``), ``lora_a`` (rank x in) and ``lora_b``
+(out x rank); its class is swapped in place for a subclass whose forward adds
+``alpha / rank * B (A dropout(x))`` to the base product, as torchtitan's
+``components/lora.py`` does, rather than renaming modules as HF peft does. The base names, the
+checkpoints' base keys, the tensor-parallel plan and the Hugging Face names stay the model's.
+Every base parameter is frozen, so the optimizer, gradient hooks and EMA hold the adapters
+only. A is Kaiming-uniform and B zero: the first step's model is the base model, bit for bit.
+
+Under tensor parallelism each factor is split as the base weight is along the dimension it
+shares with it (A the input columns, B the output rows). ``plugtrain export-hf`` merges
+``W + alpha / rank * B @ A`` into each base weight (full tensors, read from the checkpoint).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugtrain.plugin import (
+    ConvertContext,
+    MergeInto,
+    PluginError,
+    ShardLike,
+    check_field,
+    hookimpl,
+)
+
+TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+"""The projections of a Llama block an adapter can train: attention's and the SwiGLU's."""
+
+
+@dataclass
+class LoraConfig:
+    """The ``[lora]`` config section."""
+
+    rank: int = 8
+    """The adapters' rank r: A is r x in, B is out x r."""
+    alpha: float = 16.0
+    """The adapters' output is scaled by alpha / rank (peft's ``lora_alpha``)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training, in [0, 1) (peft's ``lora_dropout``)."""
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    """The projections that get an adapter, in every block, by their module names."""
+
+    def __post_init__(self) -> None:
+        check_field(self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")
+        check_field(0 < self.alpha < math.inf, "alpha", f"must be finite and > 0, got {self.alpha}")
+        check_field(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        check_field(
+            bool(self.targets), "targets", f"must name at least one of {', '.join(TARGETS)}"
+        )
+        for target in self.targets:
+            check_field(
+                target in TARGETS,
+                "targets",
+                f"names '{target}', which is no projection: choose among {', '.join(TARGETS)}",
+            )
+        check_field(
+            len(set(self.targets)) == len(self.targets),
+            "targets",
+            f"names a projection twice ({', '.join(self.targets)}): name each once",
+        )
+
+    @property
+    def scale(self) -> float:
+        """What the adapters' product is multiplied by."""
+        return self.alpha / self.rank
+
+
+class LoraLinear(nn.Linear):
+    """An ``nn.Linear`` with a low-rank adapter: ``x W^T + scale * dropout(x) A^T B^T``.
+
+    Modules become one by :func:`add_adapter`, which swaps their class in place: no module or
+    parameter is renamed, and hooks registered on the module (tensor parallelism's, FSDP2's)
+    stay where they were."""
+
+    lora_a: nn.Parameter
+    lora_b: nn.Parameter
+    lora_scale: float
+    lora_dropout: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        return base + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.lora_scale
+
+
+def kaiming_uniform(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A's fill: ``nn.Linear``'s own (Kaiming-uniform, a = sqrt(5)), as peft's ``lora_A``."""
+    return nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=generator)
+
+
+def zeros(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """B's fill: zero, so that the adapted model starts as the base model."""
+    return t.zero_()
+
+
+def merge(a: str, b: str, scale: float) -> Any:
+    """The export rule of ``b``: the base weight plus ``scale * B @ A``, on full tensors."""
+
+    def merged(weight: torch.Tensor, added: Any) -> torch.Tensor:
+        return weight + scale * (added[b] @ added[a])
+
+    return merged
+
+
+def add_adapter(plugin: object, ctx: ConvertContext, module: str, config: LoraConfig) -> None:
+    """Give linear ``module`` of ``ctx.model`` an adapter of ``config``'s rank."""
+    linear = ctx.model.get_submodule(module)
+    weight = f"{module}.weight"
+    out_dim, in_dim = linear.weight.shape
+    a, b = f"{module}.lora_a", f"{module}.lora_b"
+    # Each factor is split as the weight is along the dimension they share (A: inputs, B:
+    # outputs), whichever of column-wise or row-wise the family's plan makes the weight.
+    ctx.add_parameter(
+        plugin, module, "lora_a", (config.rank, in_dim),
+        init=kaiming_uniform, tp=ShardLike(weight, dim=1), export="drop",
+    )  # fmt: skip
+    merged = MergeInto(weight, merge(a, b, config.scale))
+    ctx.add_parameter(
+        plugin, module, "lora_b", (out_dim, config.rank),
+        init=zeros, tp=ShardLike(weight, dim=0), export=merged,
+    )  # fmt: skip
+    linear.__class__ = LoraLinear
+    linear.lora_scale = config.scale
+    linear.lora_dropout = config.dropout
+
+
+class Lora:
+    """The plugin object: the entry point names this class and plugtrain instantiates it."""
+
+    @hookimpl
+    def config_section(self) -> type:
+        return LoraConfig
+
+    @hookimpl
+    def convert_model(self, ctx: ConvertContext) -> None:
+        config: LoraConfig = ctx.plugin_config(self)
+        if config.dropout and ctx.parallel_dims.tp_enabled:
+            raise PluginError(
+                f"lora.dropout = {config.dropout} with parallelism.tp = "
+                f"{ctx.parallel_dims.tp} is not supported yet: set lora.dropout = 0.0"
+            )
+        base = [name for name, _ in ctx.model.named_parameters()]
+        for module, linear in list(ctx.model.named_modules()):
+            if module.rpartition(".")[2] not in config.targets:
+                continue
+            if type(linear) is not nn.Linear:
+                raise PluginError(
+                    f"lora target '{module}' is a {type(linear).__name__}, not an nn.Linear: "
+                    "remove it from lora.targets"
+                )
+            add_adapter(self, ctx, module, config)
+        ctx.freeze(self, *base)
