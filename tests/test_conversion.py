@@ -10,10 +10,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from plugtrain.checkpoint import export_checkpoint, open_checkpoint, read_metadata
+from plugtrain.checkpoint import (
+    export_adapter,
+    export_checkpoint,
+    open_checkpoint,
+    read_metadata,
+)
+from plugtrain.cli import main
 from plugtrain.errors import CheckpointError, PluginError, UserError
 from plugtrain.model import Conversion, Transformer, from_hf
 from plugtrain.plugin import (
+    AdapterExport,
     ConvertContext,
     MergeInto,
     ShardLike,
@@ -91,6 +98,17 @@ class Adapter:
 
             wrap_forward(linear, adapted)
         ctx.freeze(self, *base)
+        ctx.set_adapter(self, self.write)
+
+    @staticmethod
+    def write(export: AdapterExport) -> None:
+        """The adapter folder: each added tensor under its weight's Hugging Face name."""
+        tensors = {}
+        for name, tensor in export.tensors.items():
+            module, _, short = name.rpartition(".")
+            hf_name = export.to_hf(f"{module}.weight", torch.empty(0))[0]
+            tensors[f"{hf_name}.{short}"] = tensor.to(export.dtype)
+        torch.save(tensors, export.folder / "adapter.pt")
 
 
 def adapters() -> list:
@@ -281,6 +299,38 @@ def test_checkpoints_keep_the_base_keys_and_export_merges_the_adapters(tmp_path)
         torch.testing.assert_close(merged.model(tokens), lora.model(tokens), rtol=0, atol=1e-5)
 
 
+def test_an_adapter_export_writes_what_the_plugin_writes_and_needs_one(tmp_path, capsys):
+    lora = make_trainer(tmp_path / "lora", *CHECKPOINTED, plugins=adapters())
+    lora.run()
+    conversion = saved_conversion(open_checkpoint(tmp_path / "lora"), "model", host=lora.host)
+    export_adapter(tmp_path / "lora", tmp_path / "out", dtype=torch.bfloat16, conversion=conversion)
+    written = torch.load(tmp_path / "out" / "adapter.pt")
+    params = dict(lora.model.named_parameters())
+    expected = {
+        "model.layers.0.self_attn.q_proj.weight.lora_a": "layers.0.attention.wq.lora_a",
+        "model.layers.0.self_attn.q_proj.weight.lora_b": "layers.0.attention.wq.lora_b",
+        "model.layers.1.self_attn.o_proj.weight.lora_a": "layers.1.attention.wo.lora_a",
+        "model.layers.1.self_attn.o_proj.weight.lora_b": "layers.1.attention.wo.lora_b",
+    }
+    assert sorted(written) == sorted(expected)
+    for key, name in expected.items():
+        assert torch.equal(written[key], params[name].detach().to(torch.bfloat16))
+    # A run whose plugins set no adapter writer: one line, exit 2, nothing written.
+    make_trainer(tmp_path / "plain", *CHECKPOINTED).run()
+    out = tmp_path / "nothing"
+    assert main(["export-hf", str(tmp_path / "plain"), "-o", str(out), "--adapter"]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith(
+            "holds no adapter (no plugin of its run, such as lora, writes one): export the whole "
+            "model without --adapter"
+        )
+    )
+    assert not out.exists() and not out.with_name("nothing.partial").exists()
+
+
 def test_the_ema_export_takes_the_frozen_weights_from_the_model(tmp_path):
     ema = ("--plugins.enabled", "ema", "--ema.decay", "0.5")
     trainer = make_trainer(tmp_path / "run", *CHECKPOINTED, *ema, plugins=adapters())
@@ -373,6 +423,10 @@ def test_one_line_refusals(tmp_path):
     with refused as e, conversion.tensor_parallel(model, None):  # type: ignore[arg-type]
         pass
     assert "\n" not in str(e.value)
+    # One adapter writer per run.
+    conversion.set_adapter("p", print)
+    with pytest.raises(PluginError, match="plugins 'p' and 'q' both write the run's adapter"):
+        conversion.set_adapter("q", print)
     # A factor split like a base along a dimension it shares with it, of the same size.
     like = ShardLike("layers.0.attention.wq.weight", dim=0)
     with pytest.raises(PluginError, match="along dimension 0, which they do not share") as e:

@@ -22,6 +22,8 @@ from plugtrain.distributed import ParallelDims
 from plugtrain.errors import ConfigError, PluginError, check_field
 from plugtrain.evaluation import EncodedTasks, Score, Task, encode_tasks, read_task, score
 from plugtrain.model import (
+    AdapterExport,
+    AdapterWriter,
     Conversion,
     ExportRule,
     MergeInto,
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 __all__ = [
     "API_VERSION",
     "PROJECT_NAME",
+    "AdapterExport",
+    "AdapterWriter",
     "ConfigError",
     "ConvertContext",
     "EncodedTasks",
@@ -152,6 +156,14 @@ class ConvertContext:
         return self.conversion.add(
             self.model, self.name_of(plugin), module, name, shape, init, tp, export
         )
+
+    def set_adapter(self, plugin: object, writer: AdapterWriter) -> None:
+        """Make ``plugin`` the writer of the run's adapter: ``plugtrain export-hf --adapter``
+        calls ``writer(export)`` (an :class:`AdapterExport`: a folder to fill, the added
+        parameters' full tensors, the Hugging Face names of the base parameters) to write the
+        added parameters alone, in the plugin's format (lora: a peft folder). One plugin per
+        run; a run where none sets one refuses ``--adapter`` in one line."""
+        self.conversion.set_adapter(self.name_of(plugin), writer)
 
     def freeze(self, plugin: object, *names: str) -> None:
         """Freeze the parameters ``names`` (full names): no gradient, no optimizer state; a

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from plugtrain.checkpoint.dcp_io import read_checkpoint as read_checkpoint
     from plugtrain.checkpoint.dcp_io import read_metadata as read_metadata
+    from plugtrain.checkpoint.export import export_adapter as export_adapter
     from plugtrain.checkpoint.export import export_checkpoint as export_checkpoint
     from plugtrain.checkpoint.export import parse_size as parse_size
     from plugtrain.checkpoint.initial import InitialLoad as InitialLoad

@@ -27,13 +27,14 @@ first and the tensors stream after it. The output is built in ``OUT.partial`` an
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,9 @@ from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner
 from plugtrain.checkpoint.saved import WEIGHTS, SavedCheckpoint, open_checkpoint
 from plugtrain.data import BOS_TOKEN, DEFAULT_CHAT_TEMPLATE, EOS_TOKEN, ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
-from plugtrain.model import Conversion, HFAdapter
+from plugtrain.model import AdapterExport, Conversion, HFAdapter, LazyTensors
 
-__all__ = ["export_checkpoint", "parse_size", "write_hf_folder"]
+__all__ = ["export_adapter", "export_checkpoint", "parse_size", "write_hf_folder"]
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 """The dtypes an export writes, by their safetensors name."""
@@ -103,6 +104,70 @@ def export_checkpoint(
             f"checkpoint '{folder}' lacks '{prefix}{missing[0]}': export a complete checkpoint"
         )
 
+    load = _loader(saved, keys)
+    write_hf_folder(
+        out,
+        args,
+        load if conversion is None else conversion.exported(load),
+        hf=hf,
+        tokenizer_path=saved.tokenizer_path,
+        chat_template=saved.chat_template,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+    )
+    return folder, dtype
+
+
+def export_adapter(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    weights: str = "model",
+    overwrite: bool = False,
+    tokenizer: str | os.PathLike[str] | None = None,
+    conversion: Conversion | None = None,
+) -> tuple[Path | str, torch.dtype]:
+    """Write the adapter of checkpoint ``path`` (``plugtrain export-hf --adapter``) as folder
+    ``out``, in the format of the plugin that added it (``conversion.adapter``, set in
+    ``convert_model``; lora's is a Hugging Face peft folder); returns the checkpoint folder
+    exported and the dtype written (``dtype`` None: the checkpoint's). A run whose plugins
+    added no adapter is refused in one line, and nothing is written."""
+    saved = open_checkpoint(path, tokenizer)
+    if conversion is None or conversion.adapter is None:
+        raise UserError(
+            f"checkpoint '{saved.folder}' holds no adapter (no plugin of its run, such as lora, "
+            "writes one): export the whole model without --adapter"
+        )
+    _, keys = _stored(saved, weights, conversion)
+    if dtype is None:
+        dtype = max(
+            {keys[n][1].properties.dtype for n in conversion.added}, key=lambda d: d.itemsize
+        )
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise UserError(f"cannot export in {dtype}: choose float32, bfloat16 or float16")
+    load = _loader(saved, keys)
+    _, writer = conversion.adapter
+    with _staged(out, overwrite) as folder:
+        writer(
+            AdapterExport(
+                folder=folder,
+                tensors=LazyTensors(tuple(sorted(conversion.added)), load),
+                to_hf=lambda name, t: saved.spec.hf.to_hf(name, t, saved.args),
+                base_model=saved.config.get("checkpoint", {}).get("initial_load_path", ""),
+                dtype=dtype,
+            )
+        )
+    return saved.folder, dtype
+
+
+def _loader(
+    saved: SavedCheckpoint, keys: Mapping[str, tuple[str, TensorStorageMetadata]]
+) -> Callable[[str], torch.Tensor]:
+    """The reader of parameter ``name``'s full tensor from ``saved`` (``keys``: its DCP key and
+    metadata, from :func:`_stored`), in this process alone."""
+
     def load(name: str) -> torch.Tensor:
         key, md = keys[name]
         tensor = torch.empty(md.size, dtype=md.properties.dtype)
@@ -117,23 +182,12 @@ def export_checkpoint(
                 )
         except (Exception, dcp.CheckpointException) as e:
             raise CheckpointError(
-                f"checkpoint '{folder}' is damaged: cannot read '{key}' "
+                f"checkpoint '{saved.folder}' is damaged: cannot read '{key}' "
                 f"({one_line(e)}); export another checkpoint of the run"
             ) from e
         return tensor
 
-    write_hf_folder(
-        out,
-        args,
-        load if conversion is None else conversion.exported(load),
-        hf=hf,
-        tokenizer_path=saved.tokenizer_path,
-        chat_template=saved.chat_template,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-    )
-    return folder, dtype
+    return load
 
 
 def _stored(
@@ -278,22 +332,37 @@ def write_hf_folder(
     Every floating tensor is cast to ``dtype``. The folder is built in ``out.partial`` and
     renamed when complete; an existing non-empty ``out`` is refused unless ``overwrite``.
     """
-    out = Path(out)
+    _refuse_occupied(Path(out), overwrite)
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise UserError(f"cannot export in {dtype}: choose float32, bfloat16 or float16")
+    tokenizer_files = _tokenizer_files(Path(tokenizer_path), args)
+    with _staged(out, overwrite) as partial:
+        _write_weights(partial, args, hf, load, dtype, max_shard_size)
+        template = chat_template or _own_template(Path(tokenizer_path))
+        _write_configs(partial, args, hf, dtype, template, tokenizer_files)
+    return Path(out)
+
+
+def _refuse_occupied(out: Path, overwrite: bool) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise UserError(
             f"'{out}' exists and is not empty: choose another -o folder, or pass --overwrite"
         )
-    if dtype not in _SAFETENSORS_DTYPES:
-        raise UserError(f"cannot export in {dtype}: choose float32, bfloat16 or float16")
-    tokenizer_files = _tokenizer_files(Path(tokenizer_path), args)
+
+
+@contextlib.contextmanager
+def _staged(out: str | os.PathLike[str], overwrite: bool) -> Iterator[Path]:
+    """The folder to write ``out``'s files into, ``out.partial``, renamed to ``out`` when the
+    body completes and removed if it fails; a non-empty ``out`` is refused unless
+    ``overwrite``, and a failed write is a one-line :class:`UserError`."""
+    out = Path(out)
+    _refuse_occupied(out, overwrite)
     partial = out.with_name(out.name + ".partial")
     try:
         if partial.exists():  # left by an export that crashed
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
-        _write_weights(partial, args, hf, load, dtype, max_shard_size)
-        template = chat_template or _own_template(Path(tokenizer_path))
-        _write_configs(partial, args, hf, dtype, template, tokenizer_files)
+        yield partial
         if out.exists():
             doomed = out.with_name(out.name + ".deleting")
             out.rename(doomed)
@@ -308,7 +377,6 @@ def write_hf_folder(
                 "or choose another -o folder"
             ) from e
         raise
-    return out
 
 
 def _write_weights(

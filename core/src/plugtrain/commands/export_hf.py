@@ -33,6 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction, summary: str) -> None:
     parser.add_argument(
         "--max-shard-size", default="5GB", help="largest safetensors file (default: 5GB)"
     )
+    parser.add_argument(
+        "--adapter", action="store_true",
+        help="write the adapter alone (a LoRA run's: a peft folder, adapter_config.json and "
+        "adapter_model.safetensors), not the merged model",
+    )  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     parser.add_argument(
         "--tokenizer", help="the run's tokenizer.json (default: the one its config names)"
@@ -43,22 +48,42 @@ def run(args: argparse.Namespace) -> int:
     """Export the checkpoint and say what it wrote."""
     import torch  # here: the parser, for --help, needs none of it
 
-    from plugtrain.checkpoint import export_checkpoint, open_checkpoint, parse_size
+    from plugtrain.checkpoint import (
+        export_adapter,
+        export_checkpoint,
+        open_checkpoint,
+        parse_size,
+    )
     from plugtrain.training import saved_conversion
 
     # The export rules of parameters a plugin added: its run's plugins convert the model again.
     conversion = saved_conversion(open_checkpoint(args.path, args.tokenizer), args.weights)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    kept = " (the checkpoint's)" if args.dtype == "auto" else ""
+    if args.adapter:
+        folder, dtype = export_adapter(
+            args.path,
+            args.output,
+            dtype=dtype,
+            weights=args.weights,
+            overwrite=args.overwrite,
+            tokenizer=args.tokenizer,
+            conversion=conversion,
+        )
+        name = str(dtype).removeprefix("torch.")
+        print(f"wrote {args.output}: the adapter of the {args.weights} weights of {folder} in "
+              f"{name}{kept}")  # fmt: skip
+        return 0
     folder, dtype = export_checkpoint(
         args.path,
         args.output,
-        dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+        dtype=dtype,
         weights=args.weights,
         max_shard_size=parse_size(args.max_shard_size),
         overwrite=args.overwrite,
         tokenizer=args.tokenizer,
         conversion=conversion,
     )
-    kept = " (the checkpoint's)" if args.dtype == "auto" else ""
     name = str(dtype).removeprefix("torch.")
     print(f"wrote {args.output}: the {args.weights} weights of {folder} in {name}{kept}")
     return 0

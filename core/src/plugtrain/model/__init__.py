@@ -3,8 +3,11 @@
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from plugtrain.model.conversion import AdapterExport as AdapterExport
+    from plugtrain.model.conversion import AdapterWriter as AdapterWriter
     from plugtrain.model.conversion import Conversion as Conversion
     from plugtrain.model.conversion import ExportRule as ExportRule
+    from plugtrain.model.conversion import LazyTensors as LazyTensors
     from plugtrain.model.conversion import MergeInto as MergeInto
     from plugtrain.model.conversion import ShardLike as ShardLike
     from plugtrain.model.conversion import TensorParallelStyle as TensorParallelStyle

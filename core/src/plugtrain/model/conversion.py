@@ -13,7 +13,9 @@ of the core that handles parameters by name consults it, with no other knowledge
 * the initial load reads the base weights only (:meth:`Conversion.base_state`): the added ones
   keep their init;
 * the Hugging Face export applies the export rules (:meth:`Conversion.exported`): each added
-  tensor is merged into a base weight or dropped, so the folder is a plain Llama one.
+  tensor is merged into a base weight or dropped, so the folder is a plain Llama one; or,
+  with ``--adapter``, the plugin that set an adapter writer (:meth:`Conversion.set_adapter`)
+  writes the added tensors alone, in its own format.
 
 Base parameters are never renamed or removed: a checkpoint of a converted run holds every key
 of a plain run's, plus the added ones.
@@ -34,12 +36,17 @@ from plugtrain.errors import PluginError
 from plugtrain.model.init import Fill
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "AdapterExport",
+    "AdapterWriter",
     "AddedParameter",
     "Conversion",
     "ExportRule",
+    "LazyTensors",
     "MergeInto",
     "ShardLike",
     "TensorParallelStyle",
@@ -86,6 +93,31 @@ class MergeInto:
     fn: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class AdapterExport:
+    """What an adapter writer (:meth:`Conversion.set_adapter`) gets from ``plugtrain export-hf
+    --adapter``: everything to write a folder of the added parameters alone, for a client that
+    applies them to the base model (peft)."""
+
+    folder: Path
+    """Where to write the files (the export renames it to the folder asked for once the
+    writer returns; it is removed if the writer raises)."""
+    tensors: Mapping[str, torch.Tensor]
+    """Every added parameter's full tensor by full name, in the checkpoint's dtype, read on
+    first access."""
+    to_hf: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]
+    """``to_hf(base_name, tensor)``: the Hugging Face name of base parameter ``base_name``
+    and ``tensor`` with its rows laid out as that format lays the parameter's (Llama's q and k
+    rows permuted for RoPE): for a tensor whose rows are the parameter's output rows."""
+    base_model: str
+    """Where the run's base came from (its ``checkpoint.initial_load_path``), "" if nowhere."""
+    dtype: torch.dtype
+    """The dtype to write floating tensors in."""
+
+
+AdapterWriter = Callable[[AdapterExport], None]
+"""A plugin's writer of its adapter folder, for ``plugtrain export-hf --adapter``."""
+
 TensorParallelStyle = Literal["replicate"] | ShardLike | None
 """How an added parameter is placed under tensor parallelism; None refuses ``parallelism.tp``
 above 1."""
@@ -112,6 +144,8 @@ class Conversion:
     added: dict[str, AddedParameter] = field(default_factory=dict)
     frozen: dict[str, str] = field(default_factory=dict)
     """Each frozen parameter's name, with the plugin that froze it."""
+    adapter: tuple[str, AdapterWriter] | None = None
+    """The plugin that writes the added parameters as an adapter folder, and its writer."""
     open: bool = False
     """Whether ``convert_model`` is firing: additions and freezes are refused otherwise."""
 
@@ -199,6 +233,17 @@ class Conversion:
             params[name].requires_grad_(False)
             self.frozen[name] = plugin
 
+    def set_adapter(self, plugin: str, writer: AdapterWriter) -> None:
+        """Let ``writer`` write the run's adapter (``plugtrain export-hf --adapter``); one
+        plugin per run."""
+        self._check_open(plugin, "set_adapter")
+        if self.adapter is not None and self.adapter[0] != plugin:
+            raise PluginError(
+                f"plugins '{self.adapter[0]}' and '{plugin}' both write the run's adapter: "
+                "enable one of them"
+            )
+        self.adapter = (plugin, writer)
+
     def init_plan(self, model: nn.Module) -> list[tuple[nn.Parameter, Fill]]:
         """(parameter, fill) of every added parameter, in the order of their names: after the
         model's own plan, which is thus drawn as in a plain run."""
@@ -253,7 +298,7 @@ class Conversion:
         def exported_load(name: str) -> torch.Tensor:
             tensor = load(name)
             if name in merges:
-                added = _LazyTensors(tuple(self.added), load)
+                added = LazyTensors(tuple(self.added), load)
                 shape = tuple(tensor.shape)
                 for rule in merges[name]:
                     tensor = rule.fn(tensor, added)
@@ -267,8 +312,8 @@ class Conversion:
         return exported_load
 
 
-class _LazyTensors(Mapping[str, torch.Tensor]):
-    """The added parameters' full tensors, each read on first access."""
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Full tensors by name, each read (``load(name)``) on first access."""
 
     def __init__(self, names: tuple[str, ...], load: Callable[[str], torch.Tensor]) -> None:
         self._names, self._load, self._read = names, load, {}
