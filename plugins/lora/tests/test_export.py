@@ -1,14 +1,18 @@
-"""A LoRA run from a Hugging Face Llama folder, exported and read back by the real client:
-transformers for the merged folder."""
+"""A LoRA run from a Hugging Face Llama folder, exported and read back by the real clients:
+transformers for the merged folder, peft for the adapter folder."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+import transformers
+from safetensors import safe_open
 
 from plugtrain.testing import hf_llama_folder, hf_llama_logits, make_trainer
 
@@ -55,3 +59,28 @@ def test_the_merged_export_gives_the_adapted_models_logits_in_transformers(run, 
     base = hf_llama_logits(run["base"], run["tokens"])
     assert (logits - run["logits"]).abs().max() < 1e-4
     assert (base - run["logits"]).abs().max() > 1e-2
+
+
+def test_the_adapter_export_is_a_peft_folder_that_gives_the_merged_logits(run, merged):
+    folder = run["root"] / "adapter"
+    plugtrain("export-hf", run["run"], "-o", folder, "--adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
+        4,
+        32,
+        str(run["base"]),
+    )
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    with safe_open(folder / "adapter_model.safetensors", framework="pt") as f:
+        keys = set(f.keys())
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in keys
+    assert len(keys) == 2 * 7 * 2
+    base = transformers.LlamaForCausalLM.from_pretrained(run["base"], dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, folder).eval()
+    with torch.no_grad():
+        logits = adapted(run["tokens"]).logits
+    assert (logits - hf_llama_logits(merged, run["tokens"])).abs().max() < 1e-4
+    assert (logits - hf_llama_logits(run["base"], run["tokens"])).abs().max() > 1e-2

@@ -11,20 +11,25 @@ only. A is Kaiming-uniform and B zero: the first step's model is the base model,
 
 Under tensor parallelism each factor is split as the base weight is along the dimension it
 shares with it (A the input columns, B the output rows). ``plugtrain export-hf`` merges
-``W + alpha / rank * B @ A`` into each base weight (full tensors, read from the checkpoint).
+``W + alpha / rank * B @ A`` into each base weight (full tensors, read from the checkpoint);
+with ``--adapter`` it writes the adapters alone as a Hugging Face peft folder.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import nn
 
 from plugtrain.plugin import (
+    AdapterExport,
+    AdapterWriter,
     ConvertContext,
     MergeInto,
     PluginError,
@@ -134,6 +139,48 @@ def add_adapter(plugin: object, ctx: ConvertContext, module: str, config: LoraCo
     linear.lora_dropout = config.dropout
 
 
+PEFT_PREFIX = "base_model.model."
+"""What peft's ``PeftModel`` puts before a module's name in its saved adapters."""
+
+
+def peft_writer(config: LoraConfig, modules: list[str]) -> AdapterWriter:
+    """The writer of the adapters of ``modules`` as a Hugging Face peft LoRA folder:
+    ``adapter_config.json`` and ``adapter_model.safetensors``, which
+    ``peft.PeftModel.from_pretrained(base, folder)`` applies to the base model."""
+
+    def write(export: AdapterExport) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        names: set[str] = set()
+        for module in modules:
+            a, b = (export.tensors[f"{module}.lora_{x}"] for x in "ab")
+            # B's rows are the weight's output rows: laid out as the format lays the weight's.
+            hf_name, b = export.to_hf(f"{module}.weight", b)
+            hf_module = PEFT_PREFIX + hf_name.removesuffix(".weight")
+            names.add(hf_module.rpartition(".")[2])
+            tensors[f"{hf_module}.lora_A.weight"] = a.to(export.dtype).contiguous()
+            tensors[f"{hf_module}.lora_B.weight"] = b.to(export.dtype).contiguous()
+        adapter_config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": export.base_model or None,
+            "r": config.rank,
+            "lora_alpha": config.alpha,
+            "lora_dropout": config.dropout,
+            "target_modules": sorted(names),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "use_rslora": False,
+            "use_dora": False,
+            "inference_mode": True,
+        }
+        (export.folder / "adapter_config.json").write_text(
+            json.dumps(adapter_config, indent=2) + "\n", encoding="utf-8"
+        )
+        save_file(tensors, export.folder / "adapter_model.safetensors", {"format": "pt"})
+
+    return write
+
+
 class Lora:
     """The plugin object: the entry point names this class and plugtrain instantiates it."""
 
@@ -150,6 +197,7 @@ class Lora:
                 f"{ctx.parallel_dims.tp} is not supported yet: set lora.dropout = 0.0"
             )
         base = [name for name, _ in ctx.model.named_parameters()]
+        adapted = []
         for module, linear in list(ctx.model.named_modules()):
             if module.rpartition(".")[2] not in config.targets:
                 continue
@@ -159,4 +207,6 @@ class Lora:
                     "remove it from lora.targets"
                 )
             add_adapter(self, ctx, module, config)
+            adapted.append(module)
         ctx.freeze(self, *base)
+        ctx.set_adapter(self, peft_writer(config, adapted))
