@@ -17,6 +17,7 @@ from plugtrain.checkpoint import (
     read_metadata,
 )
 from plugtrain.cli import main
+from plugtrain.commands.generate import load
 from plugtrain.errors import CheckpointError, PluginError, UserError
 from plugtrain.model import Conversion, Transformer, from_hf
 from plugtrain.plugin import (
@@ -329,6 +330,21 @@ def test_an_adapter_export_writes_what_the_plugin_writes_and_needs_one(tmp_path,
         )
     )
     assert not out.exists() and not out.with_name("nothing.partial").exists()
+
+
+def test_generate_and_eval_load_a_converted_run_with_its_additions_merged(tmp_path):
+    lora = ("--plugins.enabled", "lora,ema", "--optimizer.lr", "1e-2")
+    trainer = make_trainer(tmp_path, *CHECKPOINTED, *lora)
+    trainer.run()
+    tokens = torch.randint(0, trainer.model_args.vocab_size, (2, 16), generator=torch.Generator())
+    plain = make_trainer(tmp_path / "plain")
+    with torch.no_grad():
+        expected, base = trainer.model.eval()(tokens), plain.model(tokens)
+        merged = load(tmp_path)[0](tokens)
+        ema = load(tmp_path, weights="ema")[0](tokens)  # the frozen base from the model's
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-5)
+    assert (merged - base).abs().max() > 1e-3
+    assert (ema - base).abs().max() > 0 and (ema - merged).abs().max() > 0
 
 
 def test_the_ema_export_takes_the_frozen_weights_from_the_model(tmp_path):

@@ -8,7 +8,8 @@ model's family, its shape, and the state dict keyed by the model's own parameter
   ``step-N/`` folder, local or at an ``s3://`` URL. Only the model's tensors are read from DCP
   (or, with ``weights="ema"``, the ema plugin's average of them, by key, without importing the
   plugin); the family and shape are the run config's, with the tokenizer's vocabulary, as the
-  trainer builds them.
+  trainer builds them. Parameters a plugin added (LoRA's adapters) are merged into the base
+  weights by the plugin's export rules, as ``export-hf`` merges them.
 * :func:`from_hf_folder`: a Hugging Face folder (``plugtrain export-hf``'s, or any whose
   ``config.json`` a family can express, found by its ``model_type``): its safetensors files
   through the family's adapter (Llama's puts the q/k rows back into plugtrain's RoPE layout),
@@ -32,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from plugtrain import sample
-from plugtrain.checkpoint import WEIGHTS, open_checkpoint, read_checkpoint
+from plugtrain.checkpoint import WEIGHTS, SavedCheckpoint, open_checkpoint, read_checkpoint
 from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, MissingFileError, UserError, one_line
 from plugtrain.model import ModelSpec, complete, hf_model_spec
@@ -77,7 +78,26 @@ def from_checkpoint(
             f"checkpoint '{saved.folder}' is damaged: {one_line(e)}; use another step-N folder"
         ) from e
     state_dict = {key.removeprefix(prefix): t for key, t in tensors.items()}
-    return saved.spec, saved.args, state_dict, saved.tokenizer
+    return saved.spec, saved.args, _merged(saved, weights, state_dict), saved.tokenizer
+
+
+def _merged(
+    saved: SavedCheckpoint, weights: str, state_dict: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The model's own parameters of ``state_dict``, with what its run's plugins added (LoRA's
+    adapters) merged in by their export rules, as ``export-hf`` merges them; frozen ones a
+    weight set lacks (ema's) come from the model's."""
+    from plugtrain.training import saved_conversion  # loads the run's plugins: only if needed
+
+    conversion = saved_conversion(saved, weights)
+    if conversion is None:
+        return state_dict
+    if weights != "model":
+        model = read_checkpoint(saved.folder, WEIGHTS["model"], saved.source.reader())
+        for name in conversion.frozen:
+            state_dict.setdefault(name, model[WEIGHTS["model"] + name])
+    load = conversion.exported(state_dict.__getitem__)
+    return {name: load(name) for name in saved.spec.hf.parameter_shapes(saved.args)}
 
 
 def is_hf_folder(path: str | os.PathLike[str]) -> bool:
