@@ -84,3 +84,15 @@ def test_the_adapter_export_is_a_peft_folder_that_gives_the_merged_logits(run, m
         logits = adapted(run["tokens"]).logits
     assert (logits - hf_llama_logits(merged, run["tokens"])).abs().max() < 1e-4
     assert (logits - hf_llama_logits(run["base"], run["tokens"])).abs().max() > 1e-2
+
+
+def test_generate_and_eval_read_a_lora_run_as_its_merged_export(run, merged, tmp_path):
+    prompt = ("--prompt", "ROMEO:", "--max-new-tokens", "8")
+    assert plugtrain("generate", run["run"], *prompt) == plugtrain("generate", merged, *prompt)
+    scores = []
+    for path, name in ((run["run"], "run"), (merged, "merged")):
+        out = tmp_path / f"{name}.json"
+        plugtrain("eval", path, "--tasks", "sample:cloze.jsonl", "--max-items", "8", "-o", out)
+        cloze = json.loads(out.read_text())["tasks"]["cloze"]
+        scores.append((cloze["items"], cloze["acc"], cloze["acc_norm"]))
+    assert scores[0] == scores[1] and scores[0][0] == 8
