@@ -233,3 +233,14 @@ def test_roofline(tmp_path):
     ]  # fmt: skip
     assert sum(split.values()) == pytest.approx(1.0)
     assert split["gemm"] > split["loss"] > 0 and split["optimizer"] > 0
+
+
+def test_lora(tmp_path):
+    results = quick_results("lora", tmp_path)
+    full, lora = results["runs"]["full"], results["runs"]["lora"]
+    assert full["parameters"] == full["trainable"] < lora["parameters"]
+    # AdamW's two fp32 moments (and a step count) per trainable tensor, for the adapters only.
+    ratio = results["lora_vs_full"]
+    assert ratio["optimizer_state"] == pytest.approx(ratio["trainable"], rel=1e-3)
+    assert lora["step_peak_bytes"] < full["step_peak_bytes"]
+    assert ratio["step_time"]["ratio"]["n"] == 3
