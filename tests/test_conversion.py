@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from plugtrain.checkpoint import (
+    CONFIG,
     export_adapter,
     export_checkpoint,
     open_checkpoint,
@@ -50,8 +51,9 @@ class Adapter:
     A is drawn N(0, 0.02^2), B starts at zero (as LoRA's); exported, B @ A * SCALE is merged
     into the linear's weight and A is dropped (B's merge reads it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, saved: bool = True) -> None:
         self.ctx: ConvertContext | None = None
+        self.saved = saved
 
     @hookimpl
     def convert_model(self, ctx: ConvertContext) -> None:
@@ -98,7 +100,7 @@ class Adapter:
                 return run
 
             wrap_forward(linear, adapted)
-        ctx.freeze(self, *base)
+        ctx.freeze(self, *base, saved=self.saved)
         ctx.set_adapter(self, self.write)
 
     @staticmethod
@@ -235,6 +237,43 @@ def test_a_resume_is_bitwise_equal_to_the_uninterrupted_run(tmp_path):
         return [(r["step"], r["loss"], r["lr"]) for r in records if "loss" in r]
 
     assert losses(result["resumed_metrics"]) == losses(result["straight_metrics"])
+
+
+def unsaved_adapters() -> list:
+    return [("adapter", Adapter(saved=False))]
+
+
+def test_a_base_left_out_of_checkpoints_is_reread_from_the_initial_load(tmp_path):
+    plain = make_trainer(tmp_path / "plain", *CHECKPOINTED)
+    plain.run()
+    source = tmp_path / "plain" / "checkpoints" / "step-3"
+    initial = ("--checkpoint.initial_load_path", str(source))
+    result = interrupted_and_resumed(
+        tmp_path, *initial, steps=4, stop_after=2, plugins=unsaved_adapters
+    )
+    assert result["stopped_at"] == result["step_at_resume"] == 2
+    assert result["resumed"] == result["straight"]
+    step = tmp_path / "resumed" / "checkpoints" / "step-4"
+    keys = set(read_metadata(step).state_dict_metadata)
+    assert {k for k in keys if k.startswith("model.")} == {f"model.{n}" for n in added_names()}
+    assert "base.sha256" in keys
+    # The export and generate re-read the base too.
+    lora = result["plugins"]["adapter"]
+    host = make_trainer(tmp_path / "host", *initial, plugins=[("adapter", lora)]).host
+    conversion = saved_conversion(open_checkpoint(step), "model", host=host)
+    export_checkpoint(step, tmp_path / "hf", conversion=conversion)
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        norm = f.get_tensor("model.norm.weight")
+    assert torch.equal(norm, dict(plain.model.named_parameters())["norm.weight"].detach())
+    # A changed base is refused in one line, by a resume and by the export.
+    with open(source / CONFIG, "a") as f:
+        f.write(" ")
+    with pytest.raises(CheckpointError, match="is not the base checkpoint") as e:
+        make_trainer(tmp_path / "resumed", *initial, *CHECKPOINTED, plugins=unsaved_adapters())
+    assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointError, match="is not the base checkpoint"):
+        export_checkpoint(step, tmp_path / "hf-changed", conversion=conversion)
+    assert not (tmp_path / "hf-changed").exists()
 
 
 def checkpoint_keys(folder) -> set[str]:

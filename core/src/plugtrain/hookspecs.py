@@ -174,7 +174,10 @@ def convert_model(ctx: ConvertContext) -> None:
     ``ctx.add_parameter(self, module, name, shape, init=..., tp=..., export=...)``, each with
     how it is initialised (a seeded fill, reproducible), placed under tensor parallelism and
     exported to Hugging Face (merged into a base weight, or dropped); freeze base parameters
-    with ``ctx.freeze(self, *names)``. Both are refused outside this hook. Never rename,
+    with ``ctx.freeze(self, *names)`` (``saved=False``: a run with an initial load leaves them
+    out of its checkpoints and re-reads them from it, checked by hash); set the writer of
+    ``export-hf --adapter`` with ``ctx.set_adapter(self, writer)``. All are refused outside
+    this hook. Never rename,
     replace or remove a parameter or module; wrap the forwards that use what was added with
     :func:`plugtrain.plugin.wrap_forward`. Implementations must commute: two plugins may add
     parameters side by side, but not to each other's.

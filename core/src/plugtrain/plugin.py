@@ -165,10 +165,13 @@ class ConvertContext:
         run; a run where none sets one refuses ``--adapter`` in one line."""
         self.conversion.set_adapter(self.name_of(plugin), writer)
 
-    def freeze(self, plugin: object, *names: str) -> None:
+    def freeze(self, plugin: object, *names: str, saved: bool = True) -> None:
         """Freeze the parameters ``names`` (full names): no gradient, no optimizer state; a
-        checkpoint still saves and restores them, bit for bit."""
-        self.conversion.freeze(self.model, self.name_of(plugin), names)
+        checkpoint still saves and restores them, bit for bit. ``saved=False`` leaves them
+        out of the checkpoints of a run that starts from ``checkpoint.initial_load_path``
+        (lora's base): resuming, ``export-hf`` and ``generate`` re-read them from it, once
+        its files' sha256 is checked against the one each checkpoint records."""
+        self.conversion.freeze(self.model, self.name_of(plugin), names, saved)
 
 
 @dataclass(eq=False)

@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from plugtrain.checkpoint.base import base_loader as base_loader
     from plugtrain.checkpoint.dcp_io import read_checkpoint as read_checkpoint
     from plugtrain.checkpoint.dcp_io import read_metadata as read_metadata
     from plugtrain.checkpoint.export import export_adapter as export_adapter

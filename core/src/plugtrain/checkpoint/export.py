@@ -42,6 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from plugtrain.checkpoint.base import base_loader
 from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner
 from plugtrain.checkpoint.saved import WEIGHTS, SavedCheckpoint, open_checkpoint
 from plugtrain.data import BOS_TOKEN, DEFAULT_CHAT_TEMPLATE, EOS_TOKEN, ChatTemplate, Tokenizer
@@ -87,7 +88,7 @@ def export_checkpoint(
     folder, args, prefix, hf = saved.folder, saved.args, WEIGHTS[weights], saved.spec.hf
     stored, keys = _stored(saved, weights, conversion)
     if dtype is None:  # the widest the checkpoint holds, should its tensors differ
-        dtype = max({md.properties.dtype for md in stored.values()}, key=lambda d: d.itemsize)
+        dtype = max({md.properties.dtype for _, md in keys.values()}, key=lambda d: d.itemsize)
     shapes = hf.parameter_shapes(args)
     for name, md in stored.items():
         if name not in shapes:
@@ -98,13 +99,14 @@ def export_checkpoint(
                 f"its config ({saved.config['model']['flavor']}, vocab {args.vocab_size}) gives "
                 f"{shapes[name]}: export with the tokenizer and flavor of the run that saved it"
             )
-    missing = [name for name in shapes if name not in stored]
-    if missing:
+    missing = {name for name in shapes if name not in stored}
+    if missing - (set() if conversion is None else conversion.unsaved):
+        first = next(name for name in shapes if name in missing)
         raise CheckpointError(
-            f"checkpoint '{folder}' lacks '{prefix}{missing[0]}': export a complete checkpoint"
+            f"checkpoint '{folder}' lacks '{prefix}{first}': export a complete checkpoint"
         )
-
-    load = _loader(saved, keys)
+    # The frozen base weights a checkpoint leaves out: from the initial load, hash checked.
+    load = _loader(saved, keys, base_loader(saved, missing) if missing else None)
     write_hf_folder(
         out,
         args,
@@ -163,12 +165,17 @@ def export_adapter(
 
 
 def _loader(
-    saved: SavedCheckpoint, keys: Mapping[str, tuple[str, TensorStorageMetadata]]
+    saved: SavedCheckpoint,
+    keys: Mapping[str, tuple[str, TensorStorageMetadata]],
+    left_out: Callable[[str], torch.Tensor] | None = None,
 ) -> Callable[[str], torch.Tensor]:
     """The reader of parameter ``name``'s full tensor from ``saved`` (``keys``: its DCP key and
-    metadata, from :func:`_stored`), in this process alone."""
+    metadata, from :func:`_stored`), in this process alone; ``left_out`` reads those the
+    checkpoint does not hold (``checkpoint.base``)."""
 
     def load(name: str) -> torch.Tensor:
+        if name not in keys and left_out is not None:
+            return left_out(name)
         key, md = keys[name]
         tensor = torch.empty(md.size, dtype=md.properties.dtype)
         try:

@@ -216,27 +216,36 @@ class InitialLoad:
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, model: nn.Module, optimizer: Optimizer | None, args: Any) -> None:
+    def load(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer | None,
+        args: Any,
+        only: set[str] | None = None,
+    ) -> None:
         """Put the source's weights (and AdamW's state, unless ``model_only``) into ``model``
-        and ``optimizer``; every rank reads only its shards (collective for ``plugtrain``)."""
-        if optimizer is None and not self.model_only:
+        and ``optimizer``; every rank reads only its shards (collective for ``plugtrain``).
+        ``only``: these parameters alone (a resume re-reads the base weights its checkpoint
+        left out, ``checkpoint.base``), the model's weights only."""
+        if optimizer is None and not self.model_only and only is None:
             raise ValueError("loading the optimizer state needs the optimizer")
         start = time.perf_counter()
         if self.kind == "hf":
-            self._load_hf(model, args)
+            self._load_hf(model, args, only)
         else:
-            self._load_plugtrain(model, optimizer)
+            self._load_plugtrain(model, optimizer, only)
         logger.info(
-            "initial load from %s (%s%s, fresh start) in %.2f s",
+            "initial load from %s (%s%s, %s) in %.2f s",
             self.path,
             "Hugging Face folder" if self.kind == "hf" else "plugtrain checkpoint",
-            "" if self.model_only else ", with the optimizer state",
+            "" if self.model_only or only is not None else ", with the optimizer state",
+            "fresh start" if only is None else f"{len(only)} base weights the checkpoint left out",
             time.perf_counter() - start,
         )
 
     @torch.no_grad()
-    def _load_hf(self, model: nn.Module, args: Any) -> None:
-        for name, value in _base_state(model).items():
+    def _load_hf(self, model: nn.Module, args: Any, only: set[str] | None) -> None:
+        for name, value in _base_state(model, only).items():
             hf_name = self._hf_name(name, args)
             # Which stored row each of ours is: the q/k permutation, applied to row numbers.
             rows = torch.arange(value.shape[0]).unsqueeze(1)
@@ -263,10 +272,12 @@ class InitialLoad:
                 raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
             target.copy_(block[wanted - low].to(target.dtype))
 
-    def _load_plugtrain(self, model: nn.Module, optimizer: Optimizer | None) -> None:
+    def _load_plugtrain(
+        self, model: nn.Module, optimizer: Optimizer | None, only: set[str] | None
+    ) -> None:
         assert self.metadata is not None and self.source is not None
-        if self.model_only:
-            state: dict[str, Any] = {"model": _base_state(model)}
+        if self.model_only or only is not None:
+            state: dict[str, Any] = {"model": _base_state(model, only)}
         else:
             assert optimizer is not None
             model_state, optim_state = get_state_dict(model, optimizer)
@@ -286,7 +297,7 @@ class InitialLoad:
             )
         except (Exception, dcp.CheckpointException) as e:
             raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
-        if self.model_only:
+        if self.model_only or only is not None:
             # Not strict: the parameters a plugin added keep their init.
             set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
         else:
@@ -299,10 +310,11 @@ class InitialLoad:
             )
 
 
-def _base_state(model: nn.Module) -> dict[str, Any]:
+def _base_state(model: nn.Module, only: set[str] | None = None) -> dict[str, Any]:
     """``model``'s state dict without the parameters a plugin added (``convert_model``): what
-    an initial load reads; the added ones keep the init they were given."""
-    return conversion_of(model).base_state(get_model_state_dict(model))
+    an initial load reads (``only`` those, if given); the added ones keep their init."""
+    state = conversion_of(model).base_state(get_model_state_dict(model))
+    return state if only is None else {k: v for k, v in state.items() if k in only}
 
 
 # ---------------------------------------------------------------------- opening a source

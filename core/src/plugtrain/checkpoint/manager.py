@@ -14,12 +14,13 @@ What a checkpoint holds (the keys of the DCP state dict): ``model`` and ``optimi
 ``train`` (the trainer's counters: step, tokens seen, skipped steps), ``world`` (the number of
 ranks that saved it), ``rng.rank<R>`` (each rank's torch,
 CUDA, Python and NumPy generator states) and ``plugins.<name>`` (each stateful plugin's
-``state_dict`` hook). Numbers are stored as 0-d tensors, so a checkpoint holds tensors only:
-loading never unpickles an object (tensors go through ``torch.load(weights_only=True)``, DCP's
-``.metadata`` file through an unpickler that admits DCP's own metadata classes only). Beside
-them, ``config.json`` holds the resolved config of the run that saved it (staged first, so it
-is committed with it): a resume that changes a setting the run must
-keep (``config.FIXED_ON_RESUME``) is refused, naming the key.
+``state_dict`` hook); a run that leaves a frozen base out (``checkpoint.base``) holds
+``base.sha256`` instead of the base's ``model`` keys. Numbers are stored as 0-d tensors,
+so a checkpoint holds tensors only: loading never unpickles an object (tensors go through
+``torch.load(weights_only=True)``, DCP's ``.metadata`` file through an unpickler that admits
+DCP's own metadata classes only). Beside them, ``config.json`` holds the resolved config
+of the run that saved it (staged first, so it is committed with it): a resume that changes a
+setting the run must keep (``config.FIXED_ON_RESUME``) is refused, naming the key.
 
 Resuming reshards: the model and optimizer may be loaded on another number of ranks, and the
 data loader's position does not depend on it; only the RNG streams of ranks the checkpoint did
@@ -51,10 +52,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
+from plugtrain.checkpoint.base import DIGEST_KEY, check_digest, left_out, source_digest
 from plugtrain.checkpoint.checks import (
     check_optimizer,
     check_settings,
@@ -73,6 +79,7 @@ from plugtrain.checkpoint.dcp_io import (
     to_tensors,
 )
 from plugtrain.checkpoint.faults import Fault
+from plugtrain.checkpoint.initial import InitialLoad, open_initial_load
 from plugtrain.checkpoint.layout import CONFIG
 from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.records import chat_template_files
@@ -155,6 +162,9 @@ class CheckpointManager:
         self.dims = dims
         self.total_steps = total_steps
         self.model, self.optimizer = model, optimizer
+        self.left_out = left_out(model, config)
+        """Frozen parameters the checkpoints leave out, re-read from the initial load."""
+        self._base: tuple[InitialLoad, torch.Tensor] | None = None
         self.states = dict(states)
         self.host = host
         self._pending: Future[None] | None = None
@@ -217,9 +227,10 @@ class CheckpointManager:
         # Asked of every rank rather than a barrier, so that all stop when rank 0 cannot start.
         if self._any_rank(failure is not None):
             raise self._save_failed(step, failure) from failure
-        state = self._storable(
-            self._state(with_rng=True, plugins=None, optimizer_state=bool(self.optimizer.state))
-        )
+        state = self._state(with_rng=True, plugins=None, optimizer_state=bool(self.optimizer.state))
+        if self.left_out:
+            state["base"] = {"sha256": self._base_source()[1]}
+        state = self._storable(state)
         writer = self.storage.writer(step)
         if self._executor is None:
             try:
@@ -331,14 +342,20 @@ class CheckpointManager:
     # ----------------------------------------------------------------------- the state
 
     def _state(
-        self, with_rng: bool, plugins: set[str] | None, optimizer_state: bool
+        self,
+        with_rng: bool,
+        plugins: set[str] | None,
+        optimizer_state: bool,
+        keep: set[str] | frozenset[str] = frozenset(),
     ) -> dict[str, Any]:
         """The run's state as nested dicts of tensors and numbers (live tensors: DCP loads
         into them). ``with_rng`` adds this rank's generators; ``plugins`` restricts the
         plugins' states to those names (None: every plugin that has state);
         ``optimizer_state`` False leaves the optimizer's per-parameter state out, for an
-        optimizer that has not stepped yet (every step so far vetoed)."""
+        optimizer that has not stepped yet (every step so far vetoed). The parameters of
+        :attr:`left_out` are left out, but for those in ``keep``."""
         model, optimizer = get_state_dict(self.model, self.optimizer)
+        model = {k: v for k, v in model.items() if k not in self.left_out or k in keep}
         if not optimizer_state:
             # NOTE: get_state_dict gives an optimizer that has not stepped a state by taking a
             # zero-lr step; the run must go on as if it had not (AdamW counts its steps).
@@ -443,11 +460,16 @@ class CheckpointManager:
         loaders = set(self.host.implementers("load_state_dict"))
         rank_rng = f"rng.rank{self.dims.rank}."
         has_rng = any(key.startswith(rank_rng) for key in saved)
+        # A checkpoint of a run that saved its base weights (another setting) fills them.
+        keep = {name for name in self.left_out if f"model.{name}" in saved}
         template = self._state(
             with_rng=has_rng,
             plugins=in_checkpoint & loaders,
             optimizer_state=any(key.startswith("optimizer.state.") for key in saved),
+            keep=keep,
         )
+        if DIGEST_KEY in saved:
+            template["base"] = {"sha256": torch.zeros(32, dtype=torch.uint8)}
         storable = self._storable(template)
         try:
             saved_config = self.storage.read_config(step)
@@ -464,6 +486,8 @@ class CheckpointManager:
         except (Exception, dcp.CheckpointException) as e:
             raise damaged(path, one_line(e)) from e
         state = from_tensors(template, storable)
+        if self.left_out - keep:
+            self._reread_base(path, state, self.left_out - keep)
         self._apply(state)
         for name, plugin_state in state["plugins"].items():
             self.host.call_one(name, "load_state_dict", state_dict=plugin_state)
@@ -490,6 +514,32 @@ class CheckpointManager:
             time.perf_counter() - start,
         )
 
+    def _base_source(self) -> tuple[InitialLoad, torch.Tensor]:
+        """The initial load the left-out parameters come from (each rank opens it: headers
+        only), and its digest, which rank 0 alone computes (a pass over the base's bytes)
+        and sends to the others (collective)."""
+        if self._base is None:
+            source = open_initial_load(self.config)
+            digest = (
+                source_digest(source) if self.dims.is_main else torch.empty(32, dtype=torch.uint8)
+            )
+            if self._control_group is not None:
+                dist.broadcast(digest, src=0, group=self._control_group)
+            self._base = source, digest
+        return self._base
+
+    def _reread_base(self, path: Path | str, state: Mapping[str, Any], names: set[str]) -> None:
+        """Put the left-out parameters ``names`` back from the initial load, once its digest
+        is the one checkpoint ``path`` recorded (``state``, as loaded)."""
+        if "base" not in state:
+            raise CheckpointError(
+                f"checkpoint {path} holds neither the frozen '{sorted(names)[0]}' nor the "
+                "digest of a base to re-read it from: pick another with --checkpoint.load_step"
+            )
+        source, digest = self._base_source()
+        check_digest(path, state["base"]["sha256"], source, digest)
+        source.load(self.model, None, self.model.args, only=names)
+
     def _apply(self, state: Mapping[str, Any]) -> None:
         """Put a loaded state into the model, optimizer, the other stateful pieces and RNGs."""
         set_state_dict(
@@ -497,6 +547,8 @@ class CheckpointManager:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            # The parameters left out are the initial load's, already in place.
+            options=StateDictOptions(strict=not self.left_out),
         )
         if not state["optimizer"]["state"]:  # saved before the optimizer's first step
             self.optimizer.state.clear()

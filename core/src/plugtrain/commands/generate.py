@@ -33,7 +33,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from plugtrain import sample
-from plugtrain.checkpoint import WEIGHTS, SavedCheckpoint, open_checkpoint, read_checkpoint
+from plugtrain.checkpoint import (
+    WEIGHTS,
+    SavedCheckpoint,
+    base_loader,
+    open_checkpoint,
+    read_checkpoint,
+)
 from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, MissingFileError, UserError, one_line
 from plugtrain.model import ModelSpec, complete, hf_model_spec
@@ -95,9 +101,15 @@ def _merged(
     if weights != "model":
         model = read_checkpoint(saved.folder, WEIGHTS["model"], saved.source.reader())
         for name in conversion.frozen:
-            state_dict.setdefault(name, model[WEIGHTS["model"] + name])
+            if WEIGHTS["model"] + name in model:
+                state_dict.setdefault(name, model[WEIGHTS["model"] + name])
+    names = saved.spec.hf.parameter_shapes(saved.args)
+    if missing := {name for name in names if name not in state_dict} & conversion.unsaved:
+        # The frozen base weights the checkpoint left out: from the initial load, hash checked.
+        read = base_loader(saved, missing)
+        state_dict.update({name: read(name) for name in missing})
     load = conversion.exported(state_dict.__getitem__)
-    return {name: load(name) for name in saved.spec.hf.parameter_shapes(saved.args)}
+    return {name: load(name) for name in names}
 
 
 def is_hf_folder(path: str | os.PathLike[str]) -> bool:

@@ -144,6 +144,9 @@ class Conversion:
     added: dict[str, AddedParameter] = field(default_factory=dict)
     frozen: dict[str, str] = field(default_factory=dict)
     """Each frozen parameter's name, with the plugin that froze it."""
+    unsaved: set[str] = field(default_factory=set)
+    """Frozen parameters that the checkpoints of a run with ``checkpoint.initial_load_path``
+    leave out: they are re-read from it (``plugtrain.checkpoint.base``)."""
     adapter: tuple[str, AdapterWriter] | None = None
     """The plugin that writes the added parameters as an adapter folder, and its writer."""
     open: bool = False
@@ -220,8 +223,12 @@ class Conversion:
         self.added[full] = AddedParameter(full, plugin, init, tp, export)
         return param
 
-    def freeze(self, model: nn.Module, plugin: str, names: tuple[str, ...]) -> None:
-        """Set ``requires_grad`` False on the parameters ``names`` of ``model``."""
+    def freeze(
+        self, model: nn.Module, plugin: str, names: tuple[str, ...], saved: bool = True
+    ) -> None:
+        """Set ``requires_grad`` False on the parameters ``names`` of ``model``; ``saved``
+        False leaves them out of the checkpoints of a run with an initial load
+        (:attr:`unsaved`)."""
         self._check_open(plugin, "freeze")
         params = dict(model.named_parameters())
         for name in names:
@@ -232,6 +239,8 @@ class Conversion:
                 )
             params[name].requires_grad_(False)
             self.frozen[name] = plugin
+            if not saved:
+                self.unsaved.add(name)
 
     def set_adapter(self, plugin: str, writer: AdapterWriter) -> None:
         """Let ``writer`` write the run's adapter (``plugtrain export-hf --adapter``); one
