@@ -100,3 +100,18 @@ def test_dropout_under_tensor_parallelism_is_refused_in_one_line():
     with pytest.raises(PluginError, match=r"set lora\.dropout = 0\.0$") as e:
         plugin.convert_model(ctx)
     assert "\n" not in str(e.value)
+
+
+def test_the_conversion_adds_and_freezes_and_leaves_the_base_out_of_checkpoints():
+    plugin = Lora()
+    ctx = convert_context({"lora": plugin}, *ENABLED, "--lora.targets", "wv")
+    base = [name for name, _ in ctx.model.named_parameters()]
+    plugin.convert_model(ctx)
+    assert sorted(ctx.conversion.added) == sorted(
+        f"layers.{i}.attention.wv.lora_{x}" for i in range(len(ctx.blocks)) for x in "ab"
+    )
+    assert set(ctx.conversion.frozen) == set(ctx.conversion.unsaved) == set(base)
+    assert ctx.conversion.adapter is not None and ctx.conversion.adapter[0] == "lora"
+    saved = convert_context({"lora": plugin}, *ENABLED, "--lora.save_base", "true")
+    plugin.convert_model(saved)
+    assert saved.conversion.frozen and not saved.conversion.unsaved

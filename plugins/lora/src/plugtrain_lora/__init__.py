@@ -54,6 +54,11 @@ class LoraConfig:
     """Dropout on the adapters' input while training, in [0, 1) (peft's ``lora_dropout``)."""
     targets: list[str] = field(default_factory=lambda: list(TARGETS))
     """The projections that get an adapter, in every block, by their module names."""
+    save_base: bool = False
+    """Whether checkpoints hold the frozen base weights too. By default those of a run that
+    starts from ``checkpoint.initial_load_path`` hold the adapters, the optimizer and the run's
+    state only; the base is re-read from that folder (its files' sha256 checked) on resume,
+    by ``export-hf`` and by ``generate``."""
 
     def __post_init__(self) -> None:
         check_field(self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")
@@ -208,5 +213,5 @@ class Lora:
                 )
             add_adapter(self, ctx, module, config)
             adapted.append(module)
-        ctx.freeze(self, *base)
+        ctx.freeze(self, *base, saved=config.save_base)
         ctx.set_adapter(self, peft_writer(config, adapted))

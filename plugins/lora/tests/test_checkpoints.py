@@ -1,0 +1,97 @@
+"""A LoRA run's checkpoints: the adapters, the optimizer and the run's state, not the base,
+which is re-read from the initial load, checked by hash; a resume continues bit for bit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from plugtrain.testing import (
+    hf_llama_folder,
+    interrupted_and_resumed,
+    make_trainer,
+    run_distributed,
+)
+
+LORA = ("--plugins.enabled", "lora", "--lora.rank", "4", "--lora.alpha", "8")
+
+
+def initial(folder: Path) -> tuple[str, ...]:
+    return (
+        *("--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder)),
+        *("--model.tokenizer_path", ""),
+    )
+
+
+def checkpoint_keys(folder: Path) -> set[str]:
+    return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+@pytest.mark.slow
+def test_a_checkpoint_leaves_the_base_out_and_a_resume_is_bitwise(tmp_path):
+    base = hf_llama_folder(tmp_path / "base")
+    result = interrupted_and_resumed(tmp_path, *LORA, *initial(base), steps=4, stop_after=2)
+    assert result["stopped_at"] == result["step_at_resume"] == 2
+    assert result["resumed"] == result["straight"]
+
+    def losses(records):
+        return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+    assert losses(result["resumed_metrics"]) == losses(result["straight_metrics"])
+    checkpoint = tmp_path / "resumed" / "checkpoints" / "step-4"
+    keys = checkpoint_keys(checkpoint)
+    model = {k for k in keys if k.startswith("model.")}
+    assert model and all(".lora_" in k for k in model)
+    assert "base.sha256" in keys
+    # Smaller than the base by at least the base's size: it holds none of it.
+    weights = base / "model.safetensors"
+    assert folder_bytes(checkpoint) < weights.stat().st_size
+    # With save_base the checkpoint holds the base too, under the base's own keys.
+    full = make_trainer(
+        tmp_path / "full", *LORA, *initial(base), "--lora.save_base", "true",
+        "--checkpoint.enable", "true", steps=1,
+    )  # fmt: skip
+    full.run()
+    full_keys = checkpoint_keys(tmp_path / "full" / "checkpoints" / "step-1")
+    assert "model.layers.0.attention.wq.weight" in full_keys and "base.sha256" not in full_keys
+
+
+def resumed_on_ranks(root: str, folder: str) -> dict:
+    """On each rank: the run stopped at step 2 and resumed, against the straight one."""
+    result = interrupted_and_resumed(root, *LORA, *initial(Path(folder)), steps=4, stop_after=2)
+    return {k: result[k] for k in ("stopped_at", "step_at_resume", "straight", "resumed")}
+
+
+@pytest.mark.slow
+def test_two_processes_resume_bitwise_with_the_base_reread_by_each_rank(tmp_path):
+    base = hf_llama_folder(tmp_path / "base")
+    ranks = run_distributed(resumed_on_ranks, 2, str(tmp_path / "run"), str(base))
+    for rank in ranks:
+        assert rank["stopped_at"] == rank["step_at_resume"] == 2
+        assert rank["resumed"] == rank["straight"]
+    keys = checkpoint_keys(tmp_path / "run" / "resumed" / "checkpoints" / "step-4")
+    assert all(".lora_" in k for k in keys if k.startswith("model.")) and "base.sha256" in keys
+
+
+@pytest.mark.slow
+def test_a_resume_from_a_changed_base_is_refused_in_one_line(tmp_path):
+    base = hf_llama_folder(tmp_path / "base")
+    args = (*LORA, *initial(base), "--checkpoint.enable", "true")
+    make_trainer(tmp_path / "run", *args, steps=2).run()
+    records = sorted(p.name for p in (tmp_path / "run").iterdir())
+    shutil.rmtree(base)
+    hf_llama_folder(base, seed=1)  # the same shapes, other weights
+    with pytest.raises(Exception, match="is not the base checkpoint") as e:
+        make_trainer(tmp_path / "run", *args, steps=4)
+    assert type(e.value).__name__ == "CheckpointError" and "\n" not in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == records
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics if "loss" in line] == [1, 2]
