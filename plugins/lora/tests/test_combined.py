@@ -50,6 +50,17 @@ def test_grad_clip_ema_and_activation_checkpointing_cover_the_adapters(tmp_path)
 
 
 @pytest.mark.slow
+def test_chat_data_with_document_masking_trains_the_adapters_only(tmp_path):
+    chat = ("--data.train_path", "sample:chat_train.jsonl", "--training.seq_len", "128")
+    trainer = make_trainer(tmp_path, *LORA, *chat, steps=2)
+    assert trainer.config.model.attention == "document" and trainer.train_data.loss_mask
+    before = frozen(trainer)
+    trainer.run()
+    assert base_unchanged(trainer, before)
+    assert all(torch.isfinite(torch.tensor(losses(tmp_path))))
+
+
+@pytest.mark.slow
 def test_fp16_with_the_loss_scaler_trains_the_adapters_only(tmp_path):
     fp16 = ("--training.mixed_precision_param", "float16", "--plugins.enabled", "lora,grad_scaler")
     trainer = make_trainer(tmp_path, *LORA, *fp16)
