@@ -93,6 +93,21 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them(tmp_path):
     assert trainable < 0.1 * total
 
 
+def test_muon_trains_the_adapters_only(tmp_path):
+    trainer = make_trainer(tmp_path, *ENABLED, *RANK, "--plugins.enabled", "lora,muon", steps=2)
+    assert trainer.optimizer_builder == "muon"
+    held = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    params = dict(trainer.model.named_parameters())
+    assert held == {id(params[n]) for n in adapters(trainer.model)}
+    before = named(trainer.model)
+    trainer.run()
+    after = named(trainer.model)
+    assert all(torch.equal(after[n], t) for n, t in before.items() if ".lora_" not in n)
+    assert not torch.equal(
+        after["layers.0.attention.wq.lora_b"], before["layers.0.attention.wq.lora_b"]
+    )
+
+
 def test_dropout_under_tensor_parallelism_is_refused_in_one_line():
     plugin = Lora()
     args = (*ENABLED, "--lora.dropout", "0.1")
