@@ -54,13 +54,21 @@ def test_a_checkpoint_leaves_the_base_out_and_a_resume_is_bitwise(tmp_path):
     # Smaller than the base by at least the base's size: it holds none of it.
     weights = base / "model.safetensors"
     assert folder_bytes(checkpoint) < weights.stat().st_size
-    # With save_base the checkpoint holds the base too, under the base's own keys.
-    full = make_trainer(
-        tmp_path / "full", *LORA, *initial(base), "--lora.save_base", "true",
-        "--checkpoint.enable", "true", steps=1,
-    )  # fmt: skip
+    # A resume without the initial load has nowhere to re-read the base from: one line.
+    no_initial = (
+        *("--model.flavor", "hf", "--model.hf_config", str(base)),
+        *("--model.tokenizer_path", str(base / "tokenizer.json")),
+    )
+    with pytest.raises(Exception, match="which this run does not set: set it to") as e:
+        make_trainer(tmp_path / "resumed", *LORA, *no_initial, "--checkpoint.enable", "true")
+    assert type(e.value).__name__ == "CheckpointError" and "\n" not in str(e.value)
+    # One that turns save_base on re-reads the base its checkpoint left out, then saves it
+    # too, under the base's own keys.
+    saving = ("--lora.save_base", "true", "--checkpoint.enable", "true")
+    full = make_trainer(tmp_path / "resumed", *LORA, *initial(base), *saving, steps=5)
+    assert full.checkpointer.resumed_from["step"] == 4
     full.run()
-    full_keys = checkpoint_keys(tmp_path / "full" / "checkpoints" / "step-1")
+    full_keys = checkpoint_keys(tmp_path / "resumed" / "checkpoints" / "step-5")
     assert "model.layers.0.attention.wq.weight" in full_keys and "base.sha256" not in full_keys
 
 

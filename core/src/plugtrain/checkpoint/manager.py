@@ -89,6 +89,7 @@ from plugtrain.config import CheckpointConfig
 from plugtrain.data import ChatTemplate
 from plugtrain.distributed import ParallelDims
 from plugtrain.errors import CheckpointError, one_line
+from plugtrain.model import conversion_of
 
 logger = logging.getLogger("plugtrain")
 
@@ -346,16 +347,17 @@ class CheckpointManager:
         with_rng: bool,
         plugins: set[str] | None,
         optimizer_state: bool,
-        keep: set[str] | frozenset[str] = frozenset(),
+        skip: set[str] | None = None,
     ) -> dict[str, Any]:
         """The run's state as nested dicts of tensors and numbers (live tensors: DCP loads
         into them). ``with_rng`` adds this rank's generators; ``plugins`` restricts the
         plugins' states to those names (None: every plugin that has state);
         ``optimizer_state`` False leaves the optimizer's per-parameter state out, for an
         optimizer that has not stepped yet (every step so far vetoed). The parameters of
-        :attr:`left_out` are left out, but for those in ``keep``."""
+        ``skip`` (by default :attr:`left_out`) are left out."""
         model, optimizer = get_state_dict(self.model, self.optimizer)
-        model = {k: v for k, v in model.items() if k not in self.left_out or k in keep}
+        skip = self.left_out if skip is None else skip
+        model = {k: v for k, v in model.items() if k not in skip}
         if not optimizer_state:
             # NOTE: get_state_dict gives an optimizer that has not stepped a state by taking a
             # zero-lr step; the run must go on as if it had not (AdamW counts its steps).
@@ -460,13 +462,15 @@ class CheckpointManager:
         loaders = set(self.host.implementers("load_state_dict"))
         rank_rng = f"rng.rank{self.dims.rank}."
         has_rng = any(key.startswith(rank_rng) for key in saved)
-        # A checkpoint of a run that saved its base weights (another setting) fills them.
-        keep = {name for name in self.left_out if f"model.{name}" in saved}
+        # The frozen weights the checkpoint left out are re-read from the initial load, whether
+        # this run leaves them out or not (lora.save_base may change on resume either way).
+        missing = {n for n in conversion_of(self.model).frozen if f"model.{n}" not in saved}
+        reread = missing if DIGEST_KEY in saved else missing & self.left_out
         template = self._state(
             with_rng=has_rng,
             plugins=in_checkpoint & loaders,
             optimizer_state=any(key.startswith("optimizer.state.") for key in saved),
-            keep=keep,
+            skip=reread,
         )
         if DIGEST_KEY in saved:
             template["base"] = {"sha256": torch.zeros(32, dtype=torch.uint8)}
@@ -486,9 +490,9 @@ class CheckpointManager:
         except (Exception, dcp.CheckpointException) as e:
             raise damaged(path, one_line(e)) from e
         state = from_tensors(template, storable)
-        if self.left_out - keep:
-            self._reread_base(path, state, self.left_out - keep)
-        self._apply(state)
+        if reread:
+            self._reread_base(path, state, reread)
+        self._apply(state, strict=not reread)
         for name, plugin_state in state["plugins"].items():
             self.host.call_one(name, "load_state_dict", state_dict=plugin_state)
         train, saved_world = state["train"], state["world"]["size"]
@@ -536,19 +540,25 @@ class CheckpointManager:
                 f"checkpoint {path} holds neither the frozen '{sorted(names)[0]}' nor the "
                 "digest of a base to re-read it from: pick another with --checkpoint.load_step"
             )
+        if not self.config.initial_load_path:
+            raise CheckpointError(
+                f"checkpoint {path} left the frozen '{sorted(names)[0]}' out, to be re-read "
+                "from checkpoint.initial_load_path, which this run does not set: set it to the "
+                "folder the run started from"
+            )
         source, digest = self._base_source()
         check_digest(path, state["base"]["sha256"], source, digest)
         source.load(self.model, None, self.model.args, only=names)
 
-    def _apply(self, state: Mapping[str, Any]) -> None:
+    def _apply(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Put a loaded state into the model, optimizer, the other stateful pieces and RNGs."""
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
-            # The parameters left out are the initial load's, already in place.
-            options=StateDictOptions(strict=not self.left_out),
+            # Not strict where the base left out was re-read from the initial load.
+            options=StateDictOptions(strict=strict),
         )
         if not state["optimizer"]["state"]:  # saved before the optimizer's first step
             self.optimizer.state.clear()
