@@ -4,6 +4,7 @@ core (init, optimizer, gradient hooks, EMA, checkpoints, initial load, export) f
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from plugtrain.checkpoint import (
 )
 from plugtrain.cli import main
 from plugtrain.commands.generate import load
-from plugtrain.errors import CheckpointError, PluginError, UserError
+from plugtrain.errors import CheckpointError, ConfigError, PluginError, UserError
 from plugtrain.model import Conversion, Transformer, from_hf
 from plugtrain.plugin import (
     AdapterExport,
@@ -27,6 +28,7 @@ from plugtrain.plugin import (
     MergeInto,
     ShardLike,
     StepContext,
+    Storage,
     full_tensor,
     hookimpl,
     total_norm,
@@ -438,6 +440,51 @@ def test_the_memory_estimate_counts_gradients_and_moments_of_trainable_parameter
     assert parts["parameters"] == 4 * total > dict((n, s) for n, s, _ in full.parts)["parameters"]
     # `plugtrain estimate` has no model: the run's plugins convert one on the meta device.
     assert estimate_run(trainer.config, 1, host=trainer.host).parts == converted.parts
+
+
+HALVED = Storage("halved", lambda t: t / 2, lambda shape: 2 * math.prod(shape))
+"""A stand-in for NF4 in float32 (any form computes here): each weight held halved, 2 bytes
+counted a parameter."""
+
+
+class Halved:
+    """Holds the blocks' wq weights in form ``HALVED``, frozen."""
+
+    @hookimpl
+    def convert_model(self, ctx: ConvertContext) -> None:
+        names = [f"layers.{i}.attention.wq.weight" for i in range(len(ctx.blocks))]
+        ctx.freeze(self, *names, storage=HALVED)
+
+
+def test_a_stored_parameter_is_held_in_its_form_whatever_fills_it(tmp_path):
+    plain = make_trainer(tmp_path / "plain", *CHECKPOINTED)
+    wq = [f"layers.{i}.attention.wq.weight" for i in range(plain.model_args.n_layers)]
+    initial = {name: p.detach().clone() for name, p in plain.model.named_parameters()}
+    # The init (under FSDP2 on one shard: held whole, out of FSDP2's reach), then the
+    # initial load of a plugtrain checkpoint with the optimizer state.
+    bf16 = ("--training.mixed_precision_param", "bfloat16")
+    held = make_trainer(tmp_path / "held", *bf16, plugins=[("halved", Halved())])
+    params = dict(held.model.named_parameters())
+    assert all(torch.equal(params[n], initial[n] / 2) for n in wq)
+    assert all(type(params[n]) is torch.nn.Parameter for n in wq)
+    assert all(torch.equal(full_tensor(p), initial[n]) for n, p in params.items() if n not in wq)
+    plain.run()
+    trained = {name: p.detach() for name, p in plain.model.named_parameters()}
+    step = tmp_path / "plain" / "checkpoints" / "step-3"
+    load = ("--checkpoint.initial_load_path", str(step))
+    loaded = make_trainer(tmp_path / "loaded", *load, plugins=[("halved", Halved())])
+    params = dict(loaded.model.named_parameters())
+    assert all(torch.equal(params[n], trained[n] / 2) for n in wq)
+    assert all(torch.equal(p, trained[n]) for n, p in params.items() if n not in wq)
+    # The estimate counts the form's bytes: 2 a parameter rather than 4.
+    parts = {n: size for n, size, _ in estimate_run(held.config, 1, model=held.model).parts}
+    total = sum(p.numel() for p in params.values())
+    assert parts["parameters"] == 4 * total - 2 * sum(params[n].numel() for n in wq)
+    # A run that saves checkpoints needs an initial load to read them back from.
+    refused = r"holds 'layers\.0\.attention\.wq\.weight' as halved, which a checkpoint never"
+    with pytest.raises(ConfigError, match=refused) as e:
+        make_trainer(tmp_path / "refused", *CHECKPOINTED, plugins=[("halved", Halved())])
+    assert "\n" not in str(e.value) and not (tmp_path / "refused" / "checkpoints").exists()
 
 
 class Late(Adapter):

@@ -28,6 +28,7 @@ from plugtrain.model import (
     ExportRule,
     MergeInto,
     ShardLike,
+    Storage,
     TensorParallelStyle,
     TextTokenizer,
     complete,
@@ -65,6 +66,7 @@ __all__ = [
     "ShardLike",
     "SkipRange",
     "StepContext",
+    "Storage",
     "Task",
     "TextTokenizer",
     "ValidationContext",
@@ -165,13 +167,18 @@ class ConvertContext:
         run; a run where none sets one refuses ``--adapter`` in one line."""
         self.conversion.set_adapter(self.name_of(plugin), writer)
 
-    def freeze(self, plugin: object, *names: str, saved: bool = True) -> None:
+    def freeze(
+        self, plugin: object, *names: str, saved: bool = True, storage: Storage | None = None
+    ) -> None:
         """Freeze the parameters ``names`` (full names): no gradient, no optimizer state; a
         checkpoint still saves and restores them, bit for bit. ``saved=False`` leaves them
         out of the checkpoints of a run that starts from ``checkpoint.initial_load_path``
         (lora's base): resuming, ``export-hf`` and ``generate`` re-read them from it, once
-        its files' sha256 is checked against the one each checkpoint records."""
-        self.conversion.freeze(self.model, self.name_of(plugin), names, saved)
+        its files' sha256 is checked against the one each checkpoint records. ``storage``
+        (a :class:`Storage`) holds them in its own form rather than in float32 (lora's NF4
+        base): they are then never saved, and a run that saves checkpoints needs
+        ``checkpoint.initial_load_path`` to read them back from."""
+        self.conversion.freeze(self.model, self.name_of(plugin), names, saved, storage)
 
 
 @dataclass(eq=False)

@@ -245,12 +245,14 @@ class InitialLoad:
 
     @torch.no_grad()
     def _load_hf(self, model: nn.Module, args: Any, only: set[str] | None) -> None:
+        conversion = conversion_of(model)
         for name, value in _base_state(model, only).items():
             hf_name = self._hf_name(name, args)
             # Which stored row each of ours is: the q/k permutation, applied to row numbers.
             rows = torch.arange(value.shape[0]).unsqueeze(1)
             order = self._hf.from_hf(hf_name, rows, args)[1].squeeze(1)
-            if isinstance(value, DTensor):
+            # One held in another form is read whole: it is converted whole, then sharded.
+            if isinstance(value, DTensor) and name not in conversion.stored:
                 # FSDP's Shard(0), tensor parallelism's Shard(0) or Shard(1), or both: each rank
                 # holds one block, contiguous in every dimension.
                 shape, offset = compute_local_shape_and_global_offset(
@@ -270,12 +272,16 @@ class InitialLoad:
                     block = f.get_slice(hf_name)[(slice(low, high), *columns)]
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
-            target.copy_(block[wanted - low].to(target.dtype))
+            if name in conversion.stored:
+                conversion.load_stored(model, name, block[wanted - low])
+            else:
+                target.copy_(block[wanted - low].to(target.dtype))
 
     def _load_plugtrain(
         self, model: nn.Module, optimizer: Optimizer | None, only: set[str] | None
     ) -> None:
         assert self.metadata is not None and self.source is not None
+        conversion = conversion_of(model)
         if self.model_only or only is not None:
             state: dict[str, Any] = {"model": _base_state(model, only)}
         else:
@@ -289,6 +295,14 @@ class InitialLoad:
                     f"{_KEY} '{self.path}' lacks optimizer state '{missing[0]}': set "
                     "checkpoint.initial_load_model_only = true to take its weights only"
                 )
+        # One held in another form is read whole, in float32: it is converted whole, then
+        # sharded (model.conversion).
+        whole = {
+            name: torch.empty(value.shape, dtype=torch.float32)
+            for name, value in state["model"].items()
+            if name in conversion.stored
+        }
+        state["model"].update(whole)
         try:
             dcp.load(
                 state,
@@ -297,6 +311,9 @@ class InitialLoad:
             )
         except (Exception, dcp.CheckpointException) as e:
             raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
+        for name, full in whole.items():
+            conversion.load_stored(model, name, full)
+            del state["model"][name]
         if self.model_only or only is not None:
             # Not strict: the parameters a plugin added keep their init.
             set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
@@ -307,6 +324,7 @@ class InitialLoad:
                 model_state_dict=state["model"],
                 # This run's param groups: its learning rate, betas and weight decay.
                 optim_state_dict={**optim_state, "state": state["optimizer"]["state"]},
+                options=StateDictOptions(strict=not whole),
             )
 
 

@@ -15,7 +15,11 @@ of the core that handles parameters by name consults it, with no other knowledge
 * the Hugging Face export applies the export rules (:meth:`Conversion.exported`): each added
   tensor is merged into a base weight or dropped, so the folder is a plain Llama one; or,
   with ``--adapter``, the plugin that set an adapter writer (:meth:`Conversion.set_adapter`)
-  writes the added tensors alone, in its own format.
+  writes the added tensors alone, in its own format;
+* a frozen parameter may be held in another form than float32 (a :class:`Storage`: QLoRA's
+  NF4): it takes that form on the meta device before FSDP2 shards it
+  (:meth:`Conversion.store_meta`), and its weights, initialised or loaded, are converted
+  whole, then sharded (:meth:`Conversion.load_stored`). It is never saved in a checkpoint.
 
 Base parameters are never renamed or removed: a checkpoint of a converted run holds every key
 of a plain run's, plus the added ones.
@@ -49,6 +53,7 @@ __all__ = [
     "LazyTensors",
     "MergeInto",
     "ShardLike",
+    "Storage",
     "TensorParallelStyle",
     "conversion_of",
 ]
@@ -115,6 +120,24 @@ class AdapterExport:
     """The dtype to write floating tensors in."""
 
 
+@dataclass(frozen=True)
+class Storage:
+    """How a frozen parameter is held in memory, other than in float32 (QLoRA's NF4 base).
+
+    ``store`` gets the parameter's full float32 tensor, on the meta device when the model is
+    built and on the run's device once its weights are read, and returns what the model holds:
+    a tensor (subclass) of that shape that FSDP2 can split along dimension 0 into equal parts
+    (torchao's ``NF4Tensor`` can) and that ``F.linear`` computes with. Converting the whole
+    tensor before splitting it gives every world size the same values. Tensor parallelism
+    does not split it: the plugin refuses ``parallelism.tp`` above 1."""
+
+    name: str
+    """What it is called in messages and in the memory estimate (``nf4``)."""
+    store: Callable[[torch.Tensor], torch.Tensor]
+    nbytes: Callable[[tuple[int, ...]], int]
+    """The bytes the stored form of a full tensor of that shape takes (the memory estimate)."""
+
+
 AdapterWriter = Callable[[AdapterExport], None]
 """A plugin's writer of its adapter folder, for ``plugtrain export-hf --adapter``."""
 
@@ -147,6 +170,8 @@ class Conversion:
     unsaved: set[str] = field(default_factory=set)
     """Frozen parameters that the checkpoints of a run with ``checkpoint.initial_load_path``
     leave out: they are re-read from it (``plugtrain.checkpoint.base``)."""
+    stored: dict[str, Storage] = field(default_factory=dict)
+    """Frozen parameters held in another form than float32, by name (all of them unsaved)."""
     adapter: tuple[str, AdapterWriter] | None = None
     """The plugin that writes the added parameters as an adapter folder, and its writer."""
     open: bool = False
@@ -224,11 +249,16 @@ class Conversion:
         return param
 
     def freeze(
-        self, model: nn.Module, plugin: str, names: tuple[str, ...], saved: bool = True
+        self,
+        model: nn.Module,
+        plugin: str,
+        names: tuple[str, ...],
+        saved: bool = True,
+        storage: Storage | None = None,
     ) -> None:
         """Set ``requires_grad`` False on the parameters ``names`` of ``model``; ``saved``
         False leaves them out of the checkpoints of a run with an initial load
-        (:attr:`unsaved`)."""
+        (:attr:`unsaved`); ``storage`` holds them in its form (:attr:`stored`), never saved."""
         self._check_open(plugin, "freeze")
         params = dict(model.named_parameters())
         for name in names:
@@ -239,8 +269,10 @@ class Conversion:
                 )
             params[name].requires_grad_(False)
             self.frozen[name] = plugin
-            if not saved:
+            if not saved or storage is not None:
                 self.unsaved.add(name)
+            if storage is not None:
+                self.stored[name] = storage
 
     def set_adapter(self, plugin: str, writer: AdapterWriter) -> None:
         """Let ``writer`` write the run's adapter (``plugtrain export-hf --adapter``); one
@@ -289,6 +321,35 @@ class Conversion:
             owner, _, short = name.rpartition(".")
             tensor = nn.Parameter(dist, requires_grad=param.requires_grad)
             model.get_submodule(owner).register_parameter(short, tensor)
+
+    def store_meta(self, model: nn.Module) -> None:
+        """Give each stored parameter of ``model`` (on the meta device, not yet sharded) its
+        stored form, for FSDP2 to split and ``to_empty`` to allocate as it is."""
+        for name, storage in self.stored.items():
+            value = storage.store(torch.empty(model.get_parameter(name).shape, device="meta"))
+            _assign(model, name, value)
+
+    @torch.no_grad()
+    def load_stored(self, model: nn.Module, name: str, full: torch.Tensor) -> None:
+        """Put the full tensor ``full`` into stored parameter ``name`` of ``model``: converted
+        whole (NF4's scales are the whole tensor's), then this rank's shard of it kept, so
+        that every world size holds the same values. The parameter object is replaced, as
+        ``load_state_dict(assign=True)`` does: FSDP2 takes it up."""
+        param = model.get_parameter(name)
+        value = self.stored[name].store(full.to(param.device, torch.float32))
+        if isinstance(param, DTensor):
+            local = value
+            for mesh_dim, placement in enumerate(param.placements):
+                if placement != Replicate():  # FSDP2's Shard(0): tensor parallelism is refused
+                    assert placement == Shard(0), f"{name} is placed {param.placements}"
+                    parts = param.device_mesh.size(mesh_dim)
+                    index = param.device_mesh.get_local_rank(mesh_dim)
+                    local = torch.chunk(local, parts, dim=0)[index]
+            value = DTensor.from_local(
+                local, param.device_mesh, param.placements, run_check=False,
+                shape=param.shape, stride=param.stride(),
+            )  # fmt: skip
+        _assign(model, name, value)
 
     def base_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` (a model state dict) without the added parameters' entries."""
@@ -339,6 +400,14 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._names)
+
+
+def _assign(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Replace parameter ``name`` of ``model`` by a frozen one of ``value``, through the
+    owner's ``load_state_dict(assign=True)``, whose hook FSDP2 re-registers it by."""
+    owner, _, short = name.rpartition(".")
+    parameter = nn.Parameter(value, requires_grad=False)
+    model.get_submodule(owner).load_state_dict({short: parameter}, strict=False, assign=True)
 
 
 def _pop_parameter(model: nn.Module, name: str) -> nn.Parameter:

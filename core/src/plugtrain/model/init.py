@@ -8,7 +8,7 @@ its own generator and keeps each rank's shard of it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -38,8 +38,15 @@ def init_trunc_normal(std: float) -> Fill:
 
 
 @torch.no_grad()
-def initialize(model: nn.Module, plan: list[tuple[nn.Parameter, Fill]], seed: int) -> None:
-    """Fill every parameter of ``model`` as ``plan`` says, deterministically from ``seed``.
+def initialize(
+    model: nn.Module,
+    plan: list[tuple[nn.Parameter, Fill]],
+    seed: int,
+    stored: Mapping[int, Callable[[torch.Tensor], None]] | None = None,
+) -> None:
+    """Fill every parameter of ``model`` as ``plan`` says, deterministically from ``seed``;
+    those in ``stored`` (by ``id``) are given their full tensor to store as they hold it
+    (``model.conversion``).
 
     Gives bit-identical full parameters whether they are plain tensors or FSDP2-sharded
     DTensors (any mesh, any world size), and whether the model was built on the CPU or on
@@ -56,14 +63,22 @@ def initialize(model: nn.Module, plan: list[tuple[nn.Parameter, Fill]], seed: in
     missing = [name for name, p in model.named_parameters() if id(p) not in planned]
     if missing or len(planned) != len(plan):
         raise RuntimeError(f"init_plan does not cover each parameter exactly once: {missing}")
+    stored = stored or {}
     for index, (param, fill) in enumerate(plan):
-        fill_parameter(param, fill, seed, index)
+        fill_parameter(param, fill, seed, index, stored.get(id(param)))
 
 
 @torch.no_grad()
-def fill_parameter(param: nn.Parameter, fill: Fill, seed: int, index: int) -> None:
+def fill_parameter(
+    param: nn.Parameter,
+    fill: Fill,
+    seed: int,
+    index: int,
+    store: Callable[[torch.Tensor], None] | None = None,
+) -> None:
     """Fill ``param`` (plain or a DTensor) as :func:`initialize` fills the parameter at
-    ``index`` of its plan: its full tensor, drawn on the CPU, then this rank's shard."""
+    ``index`` of its plan: its full tensor, drawn on the CPU, then this rank's shard; or
+    ``store(full)`` where the parameter is held in another form."""
     if param.is_meta:
         raise RuntimeError(
             "init_weights called on meta parameters; materialise them first with "
@@ -71,7 +86,9 @@ def fill_parameter(param: nn.Parameter, fill: Fill, seed: int, index: int) -> No
         )
     generator = torch.Generator().manual_seed(_param_seed(seed, index))
     full = fill(torch.empty(param.shape, dtype=torch.float32), generator)
-    if isinstance(param, DTensor):
+    if store is not None:
+        store(full)
+    elif isinstance(param, DTensor):
         shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:

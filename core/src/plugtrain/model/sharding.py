@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,11 +45,21 @@ def shard_model(
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if not needs_sharding(mesh.size(), param_dtype, reduce_dtype):
         return policy
+    ignored: set[nn.Parameter] | None = None
+    if mesh.size(mesh.ndim - 1) == 1:
+        # NOTE: FSDP2 (torch 2.13) unshards on one shard by copying a parameter's first
+        # all-gather input only, which breaks a stored form with all-gather extensions (NF4):
+        # unsharded anyway, such parameters stay out of FSDP2, whole on each rank.
+        stored = conversion_of(model).stored
+        ignored = {p for name, p in model.named_parameters() if name in stored} or None
     layers = list(model.layers)
     for i, block in enumerate(layers):
         # The last block stays gathered after forward, since backward needs it at once.
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(
+            block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1,
+            ignored_params=ignored,
+        )  # fmt: skip
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     return policy
 
 
@@ -110,13 +121,19 @@ def build_model(
     if tp_mesh is not None:
         with conversion.tensor_parallel(model, tp_mesh):
             spec.parallelize(model, tp_mesh)
+    conversion.store_meta(model)
     shard_model(model, mesh, param_dtype, reduce_dtype)
     model.to_empty(device=device)
     # The parameters a plugin added come after the family's own, whose draws they leave as
     # they are without the plugin.
     plan, added = spec.init_plan(model), conversion.init_plan(model)
     if init_weights:
-        initialize(model, [*plan, *added], seed)
+        stored = {
+            id(param): functools.partial(conversion.load_stored, model, name)
+            for name, param in model.named_parameters()
+            if name in conversion.stored
+        }
+        initialize(model, [*plan, *added], seed, stored)
     else:  # the loaded weights have no place for the added ones: drawn as initialize would
         for index, (param, fill) in enumerate(added, start=len(plan)):
             fill_parameter(param, fill, seed, index)

@@ -21,6 +21,7 @@ from torch import nn
 from plugtrain.checkpoint import SavedCheckpoint
 from plugtrain.config import JobConfig, build_config, enabled_plugins
 from plugtrain.distributed import ParallelDims
+from plugtrain.errors import ConfigError
 from plugtrain.host import PluginHost, installed_plugins
 from plugtrain.model import Conversion, conversion_of, model_spec
 from plugtrain.plugin import ConvertContext
@@ -39,9 +40,12 @@ def fire_convert_model(
     model: nn.Module,
     name_of: Callable[[object], str],
     parallel_dims: ParallelDims,
+    training: bool = True,
 ) -> Conversion:
     """Fire ``convert_model`` on ``model`` (on the meta device, unsharded) of a job laid out
-    as ``parallel_dims``; return its record, closed to further additions and freezes."""
+    as ``parallel_dims``; return its record, closed to further additions and freezes.
+    ``training`` refuses a run whose checkpoints would need a stored parameter (False for
+    the export and the estimate, which train nothing)."""
     conversion = conversion_of(model)
     ctx = ConvertContext(
         config=config,
@@ -56,6 +60,16 @@ def fire_convert_model(
         hook.convert_model(ctx=ctx)
     finally:
         conversion.open = False
+    checkpoint = config.checkpoint
+    saves = checkpoint.enable or checkpoint.save_final
+    if training and conversion.stored and saves and not checkpoint.initial_load_path:
+        name, storage = next(iter(conversion.stored.items()))
+        raise ConfigError(
+            f"plugin '{conversion.frozen[name]}' holds '{name}' as {storage.name}, which a "
+            "checkpoint never holds, and no checkpoint.initial_load_path gives it back on "
+            "resume: set checkpoint.initial_load_path (a Hugging Face folder), or "
+            "checkpoint.enable = false and checkpoint.save_final = false"
+        )
     return conversion
 
 
@@ -95,5 +109,5 @@ def converted_model(config: JobConfig, host: PluginHost, args: Any) -> nn.Module
     with torch.device("meta"):
         model = model_spec(config.model.family).build(args)
     # One process: the export and the estimate need the parameters, not a job's layout.
-    fire_convert_model(host.hook, config, model, host.name_of, ParallelDims())
+    fire_convert_model(host.hook, config, model, host.name_of, ParallelDims(), training=False)
     return model

@@ -49,15 +49,32 @@ def checkpointing_of(config: JobConfig) -> Checkpointing:
 
 def converted_estimate(estimate: MemoryEstimate, model: nn.Module) -> MemoryEstimate:
     """``estimate`` (the family's formula, for its own parameters) for ``model`` as plugins
-    converted it: parameters for all of them, gradients and AdamW's moments for the trainable
-    ones only (full sizes, however ``model`` is sharded)."""
+    converted it: parameters for all of them (those held in another form at its bytes, QLoRA's
+    NF4 base), gradients and AdamW's moments for the trainable ones only (full sizes, however
+    ``model`` is sharded)."""
+    conversion = conversion_of(model)
     params = dict(model.named_parameters())
     total = sum(p.numel() for p in params.values())
-    base = total - sum(params[name].numel() for name in conversion_of(model).added)
+    base = total - sum(params[name].numel() for name in conversion.added)
     trained = sum(p.numel() for p in params.values() if p.requires_grad)
-    counts = {"parameters": total, "gradients": trained, "optimizer": trained}
+    held = sum(params[name].numel() for name in conversion.stored)
+    held_bytes = sum(s.nbytes(tuple(params[n].shape)) for n, s in conversion.stored.items())
+    # Bytes, where the formula counts 4 a parameter.
+    counts = {
+        "parameters": 4 * (total - held) + held_bytes,
+        "gradients": 4 * trained,
+        "optimizer": 4 * trained,
+    }
+    held_as = ""
+    if held:
+        forms = "/".join(sorted({storage.name for storage in conversion.stored.values()}))
+        held_as = f"; {held:,} frozen held as {forms}, {held_bytes / held:.2f} bytes each"
     parts = tuple(
-        (name, size * counts[name] // base if name in counts else size, what)
+        (
+            name,
+            size * counts[name] // (4 * base) if name in counts else size,
+            what + (held_as if name == "parameters" else ""),
+        )
         for name, size, what in estimate.parts
     )
     return dataclasses.replace(estimate, parts=parts)
