@@ -189,16 +189,18 @@ def convert_context(
     plugins: dict[str, object] | None = None,
     *args: str,
     parallel_dims: ParallelDims | None = None,
+    flavor: str = "tiny",
 ) -> ConvertContext:
     """A real :class:`~plugtrain.plugin.ConvertContext` for calling ``convert_model`` in a
-    unit test: the tiny flavor's ``Transformer`` on the meta device, as a run converts it,
-    its conversion record open (``ctx.conversion``). ``plugins`` and ``args`` as for
-    :func:`setup_context`; ``parallel_dims`` the job's layout (one process by default)."""
+    unit test: the ``Transformer`` of ``flavor`` (``tiny`` by default) on the meta device, as
+    a run converts it, its conversion record open (``ctx.conversion``). ``plugins`` and
+    ``args`` as for :func:`setup_context`; ``parallel_dims`` the job's layout (one process by
+    default)."""
     from plugtrain.model import FLAVORS, Conversion, Transformer
 
     config, name_of = _configured(plugins, args)
     with torch.device("meta"):
-        model = Transformer(FLAVORS["tiny"])
+        model = Transformer(FLAVORS[flavor])
     return ConvertContext(
         config=config,
         model=model,

@@ -132,12 +132,23 @@ def max_difference(
 
 
 def parameter_checksums(model: nn.Module) -> str:
-    """A SHA-256 of this rank's parameter shards, bytes and all: equal means bitwise equal."""
+    """A SHA-256 of this rank's parameter shards, bytes and all: equal means bitwise equal.
+    A parameter held in another form (QLoRA's NF4) counts by the tensors it holds."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(name.encode())
-        digest.update(local_tensor(param.detach()).contiguous().cpu().view(torch.uint8).numpy())
+        for tensor in _held_tensors(local_tensor(param.detach())):
+            digest.update(tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def _held_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``tensor``, or the plain tensors a tensor subclass (NF4) holds, in its order."""
+    if type(tensor) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):
+        yield tensor
+        return
+    for name in tensor.__tensor_flatten__()[0]:
+        yield from _held_tensors(getattr(tensor, name))
 
 
 Call = tuple[str, int | None, int | None]
