@@ -13,6 +13,10 @@ Under tensor parallelism each factor is split as the base weight is along the di
 shares with it (A the input columns, B the output rows). ``plugtrain export-hf`` merges
 ``W + alpha / rank * B @ A`` into each base weight (full tensors, read from the checkpoint);
 with ``--adapter`` it writes the adapters alone as a Hugging Face peft folder.
+
+QLoRA: with ``base_dtype = "nf4"`` the target weights are held in torchao's NF4 (``qlora``),
+about half a byte a value; the merge then adds the adapters to the weight as the run computed
+with it, read back from NF4.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,7 @@ from plugtrain.plugin import (
     check_field,
     hookimpl,
 )
+from plugtrain_lora.qlora import EXTRA, NF4, check_nf4, dequantized, torchao_missing
 
 TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 """The projections of a Llama block an adapter can train: attention's and the SwiGLU's."""
@@ -59,6 +64,11 @@ class LoraConfig:
     starts from ``checkpoint.initial_load_path`` hold the adapters, the optimizer and the run's
     state only; the base is re-read from that folder (its files' sha256 checked) on resume,
     by ``export-hf`` and by ``generate``."""
+    base_dtype: Literal["float32", "nf4"] = "float32"
+    """How the target weights are held: ``float32``, as the rest of the model, or ``nf4``,
+    QLoRA's 4-bit NormalFloat (torchao's, about half a byte a value: ``pip install
+    'plugtrain-lora[qlora]'``). The other frozen weights stay float32. An NF4 base is never
+    saved: a run that saves checkpoints needs ``checkpoint.initial_load_path``."""
 
     def __post_init__(self) -> None:
         check_field(self.rank >= 1, "rank", f"must be >= 1, got {self.rank}")
@@ -78,6 +88,14 @@ class LoraConfig:
             "targets",
             f"names a projection twice ({', '.join(self.targets)}): name each once",
         )
+        if self.base_dtype == "nf4":
+            check_field(not torchao_missing(), "base_dtype", f"'nf4' needs torchao: {EXTRA}")
+            check_field(
+                not self.save_base,
+                "base_dtype",
+                "'nf4' is never saved in a checkpoint, but save_base is true: set "
+                "lora.save_base = false (the base is re-read from checkpoint.initial_load_path)",
+            )
 
     @property
     def scale(self) -> float:
@@ -113,11 +131,13 @@ def zeros(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return t.zero_()
 
 
-def merge(a: str, b: str, scale: float) -> Any:
-    """The export rule of ``b``: the base weight plus ``scale * B @ A``, on full tensors."""
+def merge(a: str, b: str, scale: float, nf4: bool) -> Any:
+    """The export rule of ``b``: the base weight (read back from NF4 with ``nf4``, as the run
+    computed with it) plus ``scale * B @ A``, on full tensors."""
 
     def merged(weight: torch.Tensor, added: Any) -> torch.Tensor:
-        return weight + scale * (added[b] @ added[a])
+        base = dequantized(weight) if nf4 else weight
+        return base + scale * (added[b] @ added[a])
 
     return merged
 
@@ -134,7 +154,7 @@ def add_adapter(plugin: object, ctx: ConvertContext, module: str, config: LoraCo
         plugin, module, "lora_a", (config.rank, in_dim),
         init=kaiming_uniform, tp=ShardLike(weight, dim=1), export="drop",
     )  # fmt: skip
-    merged = MergeInto(weight, merge(a, b, config.scale))
+    merged = MergeInto(weight, merge(a, b, config.scale, config.base_dtype == "nf4"))
     ctx.add_parameter(
         plugin, module, "lora_b", (out_dim, config.rank),
         init=zeros, tp=ShardLike(weight, dim=0), export=merged,
@@ -202,7 +222,7 @@ class Lora:
                 f"{ctx.parallel_dims.tp} is not supported yet: set lora.dropout = 0.0"
             )
         base = [name for name, _ in ctx.model.named_parameters()]
-        adapted = []
+        linears = {}
         for module, linear in list(ctx.model.named_modules()):
             if module.rpartition(".")[2] not in config.targets:
                 continue
@@ -211,7 +231,14 @@ class Lora:
                     f"lora target '{module}' is a {type(linear).__name__}, not an nn.Linear: "
                     "remove it from lora.targets"
                 )
+            linears[module] = linear
+        nf4 = []
+        if config.base_dtype == "nf4":
+            check_nf4(ctx, linears)
+            nf4 = [f"{module}.weight" for module in linears]
+        for module in linears:
             add_adapter(self, ctx, module, config)
-            adapted.append(module)
-        ctx.freeze(self, *base, saved=config.save_base)
-        ctx.set_adapter(self, peft_writer(config, adapted))
+        ctx.freeze(self, *(n for n in base if n not in nf4), saved=config.save_base)
+        if nf4:
+            ctx.freeze(self, *nf4, storage=NF4)
+        ctx.set_adapter(self, peft_writer(config, list(linears)))
