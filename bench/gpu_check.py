@@ -14,6 +14,12 @@ Parts, most valuable first, so that what matters most is done when the budget ru
 4. The roofline row (``bench/roofline.py``'s on a GPU): the 1B bf16 step against the GPU's
    peak (MFU) and against its matmul limit, torch's own matmuls timed at the step's GEMM
    shapes (``ModelArgs.gemms``, the FLOP formula of both).
+5. Memory of fine-tuning a Llama 3 8B-shaped model (``bench/lora.py``'s ``gpu_memory``: bf16,
+   full activation checkpointing, 1 x 2048 tokens): full fine-tuning, LoRA (rank 8, all seven
+   projections) and QLoRA (the same, the base in NF4) with 8 of its 32 blocks, where full
+   fine-tuning fits one 80 GB GPU, then LoRA and QLoRA with all 32: the peak while building,
+   the steps' peak, the weights and AdamW's state held, the memory estimate, tokens/s. The
+   verdict checks that the NF4 base really holds about half a byte a value.
 
 The benchmark parts run one after another in a worker process, which a crash or an overrun
 ends (the next part starts a new one). The JSON report (``--out``) and its Markdown summary
@@ -58,11 +64,16 @@ class Part:
 
     id: str
     kind: str
-    """``throughput``, ``overhead`` or ``roofline`` (a throughput with the matmul limit)."""
+    """``throughput``, ``overhead``, ``roofline`` (a throughput with the matmul limit) or
+    ``memory`` (a fine-tuning mode's memory)."""
     dtype: str
     flavor: str = "1B"
     compile: bool = False
     ac: str | None = None
+    lora: str | None = None
+    """``memory`` parts: ``full``, ``lora`` or ``qlora`` (``bench/lora.py``'s ``MODES``)."""
+    layers: int | None = None
+    """``memory`` parts: the blocks of the flavor's shape (None: all)."""
 
 
 PARTS = [
@@ -77,10 +88,20 @@ PARTS = [
     Part("oh-debug-bf16", "overhead", "bfloat16", flavor="debug"),
     Part("oh-debug-fp16", "overhead", "float16", flavor="debug"),
     Part("roofline-1B-bf16", "roofline", "bfloat16"),
+    Part("mem-8B-full", "memory", "bfloat16", flavor="8B", lora="full", layers=8),
+    Part("mem-8B-lora", "memory", "bfloat16", flavor="8B", lora="lora", layers=8),
+    Part("mem-8B-qlora", "memory", "bfloat16", flavor="8B", lora="qlora", layers=8),
+    Part("mem-8B32-lora", "memory", "bfloat16", flavor="8B", lora="lora"),
+    Part("mem-8B32-qlora", "memory", "bfloat16", flavor="8B", lora="qlora"),
 ]
 """The benchmark parts, in the order they run (after the tests)."""
 ALL_PARTS = ["tests", *(p.id for p in PARTS)]
 OVERHEAD_TARGET = {"bfloat16": 1.01, "float16": 1.02}
+NF4_BYTES_TARGET = 0.53
+"""An NF4 base holds at most this many bytes a value (half a byte, its scales): more means
+FSDP2 or the load kept a float copy, the memory QLoRA exists to save."""
+DRY_SHAPE = ["--model.flavor", "debug", "--model.ffn_dim", "512"]
+"""The dry run's model for the memory parts: the smallest whose weights NF4 can hold."""
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +148,7 @@ def replace_cuda_calls() -> None:
         ("reset_peak_memory_stats", None),
         ("empty_cache", None),
         ("max_memory_allocated", 0),
+        ("memory_allocated", 0),
     ):
         setattr(torch.cuda, name, lambda *args, _value=value, **kwargs: _value)
 
@@ -136,9 +158,16 @@ def run_part(part: Part, args: argparse.Namespace, peak: float | None) -> dict:
     import torch
     from gpu import throughput
     from hook_overhead import Case, run_case
+    from lora import gpu_memory, shape_args
 
     dry = args.dry_run
     flavor = "tiny" if dry else part.flavor
+    if part.kind == "memory":
+        assert part.lora is not None
+        shape = DRY_SHAPE if dry else shape_args(part.flavor, part.layers)
+        batch, seq = (2, 32) if dry else (1, 2048)
+        warmup, steps = (1, 2) if dry else (2, 5)
+        return gpu_memory(part.lora, shape, part.dtype, batch, seq, warmup, steps)
     if part.kind in ("throughput", "roofline"):
         batch, seq = (2, 32) if dry else (4, 2048)
         # NOTE: inductor on a CPU needs a C++ compiler and minutes; aot_eager runs the same
@@ -425,6 +454,8 @@ def verdicts(parts: dict[str, dict]) -> dict[str, dict]:
     mfu = bf16["mfu"] if bf16 else None
     ratio = fp16["tokens_per_s"] / bf16["tokens_per_s"] if bf16 and fp16 else None
     hooks = overhead["wall"]["ratio"]["median"] if overhead else None
+    nf4 = [r["nf4_bytes_per_value"] for p, r in result.items() if p.startswith("mem-") and r]
+    nf4_bytes = max((b for b in nf4 if b is not None), default=None)
     tests = parts.get("tests", {}).get("outcomes", {})
     sync = [v for k, v in tests.items() if SYNC_TESTS in k and v != "skipped"]
     return {
@@ -437,6 +468,11 @@ def verdicts(parts: dict[str, dict]) -> dict[str, dict]:
             "no sync raised",
             f"{sync.count('passed')}/{len(sync)} passed" if sync else None,
             all(v == "passed" for v in sync),
+        ),
+        "qlora_nf4_bytes_per_value": check(
+            f"<= {NF4_BYTES_TARGET}",
+            nf4_bytes,
+            nf4_bytes is not None and nf4_bytes <= NF4_BYTES_TARGET,
         ),
     }
 
@@ -475,6 +511,12 @@ def summary_markdown(parts: dict[str, dict], checks: dict[str, dict]) -> str:
         elif "counts" in r:
             cells[3] = ", ".join(f"{n} {k}" for k, n in r["counts"].items())
         detail = r.get("error") or r.get("reason") or ""
+        if "estimate_gib" in res:
+            detail = (
+                f"{res['mode']}: weights {res['weight_bytes'] / 2**30:.1f} GiB, AdamW "
+                f"{res['optimizer_state_bytes'] / 2**30:.2f} GiB, build peak "
+                f"{res['build_peak_gib']:.1f} GiB, estimate {res['estimate_gib']:.1f} GiB"
+            )
         if "fraction_of_matmul_limit" in res:
             detail = f"{res['fraction_of_matmul_limit']:.1%} of the matmul limit"
         rows.append([part, r["status"], f"{r['seconds']:.0f}", *cells, detail])

@@ -68,13 +68,13 @@ def test_gpu_check_past_its_budget_starts_nothing_and_says_so(gpu_check):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(gpu_check, tmp_path):
-    parts = "tests,tp-fp16,oh-1B-bf16,roofline-1B-bf16"
+    parts = "tests,tp-fp16,oh-1B-bf16,roofline-1B-bf16,mem-8B-qlora"
     code, record = gpu_check("--dry-run", "--parts", parts)
     assert code == 0
     assert set(record) == RECORD_FIELDS and record["args"]["dry_run"] is True
     results = record["results"]
     assert list(results["parts"]) == parts.split(",")
-    tests, throughput, overhead, roofline = results["parts"].values()
+    tests, throughput, overhead, roofline, qlora = results["parts"].values()
     assert {p["status"] for p in results["parts"].values()} == {"ok"}
     # Without CUDA every GPU test is collected and skipped.
     assert tests["counts"]["passed"] == tests["counts"]["failed"] == 0
@@ -89,17 +89,26 @@ def test_gpu_check_dry_run(gpu_check, tmp_path):
     assert row["fraction_of_matmul_limit"] == pytest.approx(
         row["matmul_limit_seconds"] / row["step_seconds"]["median"]
     )
+    # QLoRA's memory part: the dry run's model, its base held in NF4 (the adapters only train).
+    memory = qlora["result"]
+    assert memory["mode"] == "qlora" and memory["trainable"] < 0.1 * memory["parameters"]
+    # AdamW's two fp32 moments per trainable value (and a step count per tensor).
+    assert memory["optimizer_state_bytes"] == pytest.approx(8 * memory["trainable"], rel=1e-3)
     verdicts = results["verdicts"]
     assert list(verdicts) == [
         "bf16_mfu", "fp16_over_bf16_tokens_per_s", "hook_overhead_1B_bf16", "sync_free_steps",
+        "qlora_nf4_bytes_per_value",
     ]  # fmt: skip
+    assert verdicts["qlora_nf4_bytes_per_value"]["value"] == memory["nf4_bytes_per_value"]
+    assert 0.5 < memory["nf4_bytes_per_value"] <= 0.53
+    assert verdicts["qlora_nf4_bytes_per_value"]["met"] is True
     assert verdicts["bf16_mfu"]["met"] is None  # bf16 throughput was not measured
     assert verdicts["hook_overhead_1B_bf16"]["value"] > 0
     assert verdicts["sync_free_steps"]["met"] is None  # skipped tests are no verdict
     summary = (tmp_path / "gpu_check.md").read_text()
     assert summary == results["summary_markdown"] + "\n"
     assert "| tp-fp16 " in summary and "| hook_overhead_1B_bf16 " in summary
-    assert "of the matmul limit" in summary
+    assert "of the matmul limit" in summary and "qlora: weights " in summary
 
 
 def test_gpu_check_verdicts_read_the_test_outcomes(gpu_check, tmp_path):
