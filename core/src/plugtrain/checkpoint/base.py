@@ -14,13 +14,13 @@ Without an initial load the frozen parameters are saved as usual: the run has no
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from plugtrain.checkpoint.dcp_io import read_checkpoint
@@ -97,13 +97,4 @@ def base_loader(saved: SavedCheckpoint, names: set[str]) -> Callable[[str], torc
     source = open_initial_load(build_section(CheckpointConfig, "checkpoint", config))
     check_digest(saved.folder, stored[DIGEST_KEY], source, source_digest(source))
 
-    def load(name: str) -> torch.Tensor:
-        if source.source is not None:  # a plugtrain checkpoint
-            key = f"model.{name}"
-            return read_checkpoint(source.path, key, source.source.reader())[key]
-        hf_name = source._hf_name(name, saved.args)
-        with safe_open(source.files[hf_name], framework="pt") as f:
-            tensor = f.get_tensor(hf_name)
-        return source._hf.from_hf(hf_name, tensor, saved.args)[1]
-
-    return load
+    return functools.partial(source.read_full, args=saved.args)

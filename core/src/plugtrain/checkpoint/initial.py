@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
-from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner, flat_keys
+from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner, flat_keys, read_checkpoint
 from plugtrain.checkpoint.layout import CONFIG, STEP_DIR, checkpoint_folder, complete_checkpoints
 from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.saved import CheckpointFolder, locate_checkpoint
@@ -197,6 +197,18 @@ class InitialLoad:
             return hf_model_spec(self.config).hf
         except CheckpointError as e:
             raise CheckpointError(f"{_KEY} '{self.path}': {e}") from e
+
+    def read_full(self, name: str, args: Any) -> torch.Tensor:
+        """Parameter ``name``'s full tensor in plugtrain's layout (Hugging Face's q/k rows
+        permuted back), read by this process alone: what a checkpoint left out, for one that
+        reads it (``checkpoint/base.py``)."""
+        if self.source is not None:
+            key = f"model.{name}"
+            return read_checkpoint(self.path, key, self.source.reader())[key]
+        hf_name = self._hf_name(name, args)
+        with safe_open(self.files[hf_name], framework="pt") as f:
+            tensor = f.get_tensor(hf_name)
+        return self._hf.from_hf(hf_name, tensor, args)[1]
 
     def _hf_name(self, name: str, args: Any) -> str:
         return self._hf.to_hf(name, torch.empty(0), args, permute=False)[0]
