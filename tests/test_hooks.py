@@ -18,7 +18,8 @@ from plugtrain.training.trainer import Trainer
 def expected_calls(steps: int, accum: int) -> list[tuple]:
     calls = [("convert_model", None, None), ("wrap_model", None, None),
              ("compile_model", None, None),
-             ("build_optimizer", None, None), ("setup", None, None)]  # fmt: skip
+             ("build_optimizer", None, None), ("setup", None, None),
+             ("build_loss", None, None)]  # fmt: skip
     for step in range(1, steps + 1):
         for m in range(accum):
             calls += [("loss_terms", step, m), ("pre_backward", step, m)]

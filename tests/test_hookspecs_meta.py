@@ -23,9 +23,9 @@ def test_the_contract_declares_the_hooks_the_trainer_fires():
     # A hook added to hookspecs.py must be added here (and to the run below) on purpose.
     assert HOOKS == [
         "config_section", "convert_model", "wrap_model", "compile_model", "build_optimizer",
-        "setup", "loss_terms", "pre_backward", "unscale_gradients", "observe_gradients",
-        "post_backward", "pre_step", "post_step", "step_metrics", "validation_weights",
-        "pre_validation", "validation_metrics", "post_validation",
+        "setup", "build_loss", "loss_terms", "pre_backward", "unscale_gradients",
+        "observe_gradients", "post_backward", "pre_step", "post_step", "step_metrics",
+        "validation_weights", "pre_validation", "validation_metrics", "post_validation",
         "state_dict", "load_state_dict", "checkpoint_saved", "checkpoint_loaded",
     ]  # fmt: skip
 
@@ -64,9 +64,9 @@ def test_every_hook_fires_in_a_stopped_and_resumed_run(tmp_path, monkeypatch):
     assert sorted(fired, key=HOOKS.index) == HOOKS
     # The model hooks fire before setup; on resume, state_dict gives the structure the
     # checkpoint's values are loaded into.
-    assert [hook for hook, _, _ in resumed.calls[:8]] == [
-        "convert_model", "wrap_model", "compile_model", "build_optimizer", "setup", "state_dict",
-        "load_state_dict", "checkpoint_loaded",
+    assert [hook for hook, _, _ in resumed.calls[:9]] == [
+        "convert_model", "wrap_model", "compile_model", "build_optimizer", "setup", "build_loss",
+        "state_dict", "load_state_dict", "checkpoint_loaded",
     ]  # fmt: skip
     assert ("pre_backward", 3, 0) in resumed.calls and ("pre_backward", 2, 0) not in resumed.calls
 

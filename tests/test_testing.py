@@ -68,7 +68,7 @@ def test_a_tiny_run_reports_losses_hooks_checksums_and_skips(tmp_path):
     assert run.skipped_steps == [2]
     expected = [("convert_model", None, None), ("wrap_model", None, None),
                 ("compile_model", None, None), ("build_optimizer", None, None),
-                ("setup", None, None)]  # fmt: skip
+                ("setup", None, None), ("build_loss", None, None)]  # fmt: skip
     for step in (1, 2, 3):
         expected += [(hook, step, 0) for hook in STEP_HOOKS]
     assert run.hooks == expected

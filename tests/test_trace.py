@@ -172,16 +172,16 @@ def test_a_traced_run_lists_every_hook_call_in_order(tmp_path, monkeypatch):
     trainer.run()
     calls, summary = read_trace(tmp_path)
     seen = [(hook, step or 0, mb or 0) for hook, step, mb in log.calls]  # what the plugin saw
-    assert seen[:9] == [("convert_model", 0, 0), ("wrap_model", 0, 0), ("compile_model", 0, 0),
-                        ("build_optimizer", 0, 0), ("setup", 0, 0), ("loss_terms", 1, 0),
-                        ("pre_backward", 1, 0), ("loss_terms", 1, 1),
-                        ("pre_backward", 1, 1)]  # fmt: skip
+    assert seen[:10] == [("convert_model", 0, 0), ("wrap_model", 0, 0), ("compile_model", 0, 0),
+                         ("build_optimizer", 0, 0), ("setup", 0, 0), ("build_loss", 0, 0),
+                         ("loss_terms", 1, 0), ("pre_backward", 1, 0), ("loss_terms", 1, 1),
+                         ("pre_backward", 1, 1)]  # fmt: skip
     traced = [(c["hook"], c["step"] or 0, c["microbatch"] or 0) for c in calls]
     assert traced == seen[4:]  # the tracer is installed once the optimizer is built
     assert all([p["plugin"] for p in c["plugins"]] == ["hook_log"] for c in calls)
     counts = {hook: t["calls"] for hook, t in summary["plugins"]["hook_log"].items()}
     assert counts == {
-        "setup": 1, "loss_terms": 6, "pre_backward": 6, "unscale_gradients": 3,
+        "setup": 1, "build_loss": 1, "loss_terms": 6, "pre_backward": 6, "unscale_gradients": 3,
         "observe_gradients": 3, "post_backward": 3, "pre_step": 3, "post_step": 3,
         "step_metrics": 3,
     }  # fmt: skip

@@ -11,6 +11,7 @@ it with :data:`plugtrain.plugin.hookimpl`. Building the run fires, once, in this
     materialise (to_empty), init_weights(seed)   # or the initial load, for the base weights
     build_optimizer          # at most one plugin builds the optimizer (else: fused AdamW)
     setup                    # the optimizer, schedule and dtypes exist
+    build_loss               # at most one plugin answers the loss (else: the cross-entropy)
 
 What each build phase may change (``docs/writing-plugins.md``, "What a plugin may and may
 not change", says it for users):
@@ -34,6 +35,7 @@ not change", says it for users):
 A training step fires, in this order::
 
     for each microbatch:  forward -> loss_terms -> pre_backward -> loss.backward()
+                          # with a build_loss answer: its units, then its loss, instead
     unscale_gradients        # gradient phase 1, make true: a loss scaler unscales
     observe_gradients        # gradient phase 2, observe: read-only (statistics, norms, spikes)
     post_backward            # gradient phase 3, modify: clipping and other gradient transforms
@@ -135,6 +137,7 @@ if TYPE_CHECKING:
         OptimizerContext,
         SetupContext,
         StepContext,
+        StepLoss,
         ValidationContext,
     )
 
@@ -143,6 +146,7 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 RESULT_HOOKS = (
     "config_section",
     "build_optimizer",
+    "build_loss",
     "loss_terms",
     "pre_step",
     "step_metrics",
@@ -245,6 +249,30 @@ def setup(ctx: SetupContext) -> None:
     Read the resolved dtypes (``ctx.param_dtype``) and your config (``ctx.plugin_config(self)``)
     here and allocate what you need. A plugin with nothing to do in this run calls
     ``ctx.deactivate(self, reason)``: it is then unregistered and costs nothing.
+    """
+
+
+@hookspec
+def build_loss(ctx: SetupContext) -> StepLoss | None:
+    """Return the object that answers each microbatch's loss, or None to leave the cross-entropy.
+
+    Fires once per run, right after ``setup`` (so the plugin has read its config and built
+    what it needs, a reference model), before any checkpoint is loaded. At most one plugin may
+    answer (two are refused, naming both), as ``build_optimizer`` answers the optimizer; a run
+    where one answers refuses ``loss_terms`` (they are terms of the cross-entropy). The answer
+    is a :class:`plugtrain.plugin.StepLoss`: at the start of every step, before any forward,
+    the trainer calls ``units(microbatch)`` for each of the step's microbatches (what the loss
+    is a mean over: a preference pair, a sequence; a 0-d tensor on the device), sums them over
+    the microbatches and all-reduces the sum over the data-parallel ranks, on the device, once
+    per step. Then, once per microbatch, ``answer(model, microbatch, ctx)`` runs the forward
+    itself and returns the microbatch's loss **summed** over its units (0-d, in the autograd
+    graph); the trainer multiplies it by ``D / N`` (``N`` the step's units, ``D`` the
+    data-parallel ranks, whose gradients FSDP2 averages) and backpropagates it through
+    ``pre_backward``. Summed over the microbatches and averaged over the ranks, the step's
+    loss is then the mean over every unit of the step, whatever the split: never a mean of
+    per-microbatch means, which weighs a unit of a microbatch with few of them more (ms-swift
+    PR #10144). The logged ``loss`` is that mean. It may run other forwards (under
+    ``torch.no_grad``) but changes no parameter of the model, and no step hook's order.
     """
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from plugtrain import API_VERSION, PROJECT_NAME
-from plugtrain.data import Rewind, SkipRange
+from plugtrain.data import IGNORE_INDEX, MicroBatch, Rewind, SkipRange
 from plugtrain.distributed import ParallelDims
 from plugtrain.errors import ConfigError, PluginError, check_field
 from plugtrain.evaluation import EncodedTasks, Score, Task, encode_tasks, read_task, score
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "API_VERSION",
+    "IGNORE_INDEX",
     "PROJECT_NAME",
     "AdapterExport",
     "AdapterWriter",
@@ -55,6 +56,7 @@ __all__ = [
     "HfExporter",
     "LossContext",
     "MergeInto",
+    "MicroBatch",
     "ModelContext",
     "OptimizerContext",
     "ParallelDims",
@@ -66,6 +68,7 @@ __all__ = [
     "ShardLike",
     "SkipRange",
     "StepContext",
+    "StepLoss",
     "Storage",
     "Task",
     "TextTokenizer",
@@ -436,6 +439,24 @@ class StepContext:
         :func:`local_tensor` plus an explicit collective) to get global quantities.
         """
         return [p.grad for p in self.params if p.grad is not None]
+
+
+class StepLoss(Protocol):
+    """What ``build_loss`` returns: the loss of each microbatch, in place of the cross-entropy.
+
+    The trainer normalises it by the step's count of *units* (what the loss is a mean over),
+    counted once per step on the device over every microbatch and data-parallel rank (see
+    ``hookspecs.build_loss``)."""
+
+    def units(self, microbatch: MicroBatch) -> torch.Tensor:
+        """How many units (pairs, sequences) ``microbatch`` holds: a 0-d tensor on the device."""
+        ...
+
+    def __call__(self, model: nn.Module, microbatch: MicroBatch, ctx: StepContext) -> torch.Tensor:
+        """``microbatch``'s loss summed over its units, 0-d, in the autograd graph: the plugin
+        runs ``model``'s forward itself (``model(microbatch.inputs,
+        **microbatch.model_inputs())``)."""
+        ...
 
 
 @dataclass(eq=False)

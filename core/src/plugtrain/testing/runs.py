@@ -215,6 +215,10 @@ class HookLog:
         return (yield)
 
     @hookimpl
+    def build_loss(self, ctx: SetupContext) -> None:
+        self._log("build_loss")
+
+    @hookimpl
     def loss_terms(self, ctx: LossContext) -> None:
         self._log("loss_terms", ctx)
 

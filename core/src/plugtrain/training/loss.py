@@ -29,13 +29,15 @@ count summed over the data-parallel group only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plugtrain.data import IGNORE_INDEX, MicroBatch
+from plugtrain.errors import PluginError
 from plugtrain.model import (
     ChunkedLoss,
     cross_entropy,
@@ -43,6 +45,7 @@ from plugtrain.model import (
     parallel_summed_cross_entropy,
     summed_cross_entropy,
 )
+from plugtrain.plugin import StepContext, StepLoss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """A loss of the logits and the targets: the mean cross-entropy, or the sum over counted ones."""
@@ -106,7 +109,11 @@ class RunLoss:
         if not self.masked:
             self.count = float(len(batch) * batch[0].targets.numel())
             return
-        counts = [(microbatch.targets != IGNORE_INDEX).sum() for microbatch in batch]
+        self.normalise([(microbatch.targets != IGNORE_INDEX).sum() for microbatch in batch])
+
+    def normalise(self, counts: Sequence[torch.Tensor]) -> None:
+        """Set the step's count from each microbatch's ``counts`` on this rank: their sum over
+        the microbatches and the data-parallel ranks (one all-reduce, on the device)."""
         count = torch.stack(counts).sum().float()
         ranks = 1 if self.group is None else self.group.size()
         if ranks > 1:
@@ -124,3 +131,50 @@ class RunLoss:
             return loss / num_microbatches
         assert self._weight is not None, "start() the step first"
         return loss * self._weight
+
+
+class PluginLoss(RunLoss):
+    """The loss one plugin answers (``build_loss``), in place of the cross-entropy: each
+    microbatch's sum over its units (:class:`plugtrain.plugin.StepLoss`) normalised, as chat
+    data's cross-entropy is by its counted targets, by the step's units over every microbatch
+    and data-parallel rank of ``group``."""
+
+    def __init__(self, name: str, answer: StepLoss, group: dist.ProcessGroup | None) -> None:
+        super().__init__(tp=1, chunks=1, masked=True, group=group)
+        self.name, self.answer = name, answer
+        self.ctx: StepContext | None = None
+        """The step the next microbatch belongs to (set by the step runner)."""
+
+    @classmethod
+    def of(cls, answers: Mapping[str, Any], group: dist.ProcessGroup | None) -> PluginLoss | None:
+        """The loss of ``build_loss``'s ``answers`` by plugin name; None if none answered, a
+        :class:`PluginError` for two, or for an answer that is not a ``StepLoss``."""
+        if len(answers) > 1:
+            names = " and ".join(f"'{name}'" for name in answers)
+            raise PluginError(f"plugins {names} both answer the loss: enable only one of them")
+        if not answers:
+            return None
+        ((name, answer),) = answers.items()
+        if not (callable(answer) and callable(getattr(answer, "units", None))):
+            raise PluginError(
+                f"plugin '{name}': build_loss returned a {type(answer).__name__}, not a "
+                "StepLoss (a callable with a units(microbatch) method)"
+            )
+        return cls(name, answer, group)
+
+    def start(self, batch: Sequence[MicroBatch]) -> None:
+        """Count the step's units, over its microbatches and the data-parallel ranks."""
+        self.normalise([self.answer.units(microbatch) for microbatch in batch])
+
+    def forward(
+        self,
+        model: torch.nn.Module,
+        microbatch: MicroBatch,
+        fn: LossFn | None = None,
+        *,
+        masked: bool | None = None,
+        with_lse: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """No logits, the plugin's loss of ``microbatch`` (its sum over its units), no lse."""
+        assert self.ctx is not None, "the step runner sets ctx"
+        return None, self.answer(model, microbatch, self.ctx), None

@@ -15,10 +15,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from plugtrain.data import MicroBatch
+from plugtrain.errors import PluginError
 from plugtrain.host import PluginHost
 from plugtrain.observability import StepTimer
-from plugtrain.plugin import StepContext
-from plugtrain.training.loss import RunLoss
+from plugtrain.plugin import SetupContext, StepContext, data_parallel_group
+from plugtrain.training.loss import PluginLoss, RunLoss
 from plugtrain.training.loss_terms import LossTerms
 
 StepBody = Callable[[StepContext, Sequence[MicroBatch]], torch.Tensor]
@@ -26,27 +27,34 @@ StepBody = Callable[[StepContext, Sequence[MicroBatch]], torch.Tensor]
 
 
 class StepRunner:
-    """Runs a step's microbatches through ``model`` with the run's ``loss`` and the plugins'
-    loss terms (``loss_terms``, None if no plugin adds any), firing the per-microbatch hooks;
-    ``sync_replicas(last)`` says whether the next backward all-reduces across replicas."""
+    """Runs a step's microbatches through ``model`` with the run's ``loss`` (or the one a
+    plugin answers, ``build_loss``, fired here with the setup's ``ctx``) and the plugins' loss
+    terms, firing the per-microbatch hooks; ``sync_replicas(last)`` says whether the next
+    backward all-reduces across replicas."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         loss: RunLoss,
         host: PluginHost,
-        loss_terms: LossTerms | None,
+        ctx: SetupContext,
         sync_replicas: Callable[[bool], None],
         timer: StepTimer,
     ) -> None:
-        self.model, self.loss, self.host, self.hook = model, loss, host, host.hook
-        self.loss_terms, self.sync_replicas, self.timer = loss_terms, sync_replicas, timer
+        self.model, self.host, self.hook = model, host, host.hook
+        self.sync_replicas, self.timer = sync_replicas, timer
+        self.loss_terms = LossTerms.of(host)
+        """The plugins' loss terms, None if no plugin adds any."""
+        self.loss: RunLoss = plugin_loss(host, ctx, self.loss_terms) or loss
+        """The training loss: the one plugin's that answers ``build_loss``, else the run's."""
         self.body: StepBody = self.accumulate
         """The body :meth:`forward_backward` runs: gradient accumulation over microbatches."""
 
     def forward_backward(self, ctx: StepContext, batch: Sequence[MicroBatch]) -> torch.Tensor:
         """Forward and backward over ``batch``, the step's microbatches, by :attr:`body`;
         returns the step's loss on this rank (the cross-entropy alone, a tensor)."""
+        if isinstance(self.loss, PluginLoss):
+            self.loss.ctx = ctx
         self.loss.start(batch)
         with self.loss.parallel():  # nothing without tensor parallelism
             return self.body(ctx, batch)
@@ -75,3 +83,21 @@ class StepRunner:
             self.sync_replicas(ctx.microbatch == ctx.num_microbatches - 1)
             ctx.loss.backward()
         return loss_sum
+
+
+def plugin_loss(host: PluginHost, ctx: SetupContext, terms: LossTerms | None) -> PluginLoss | None:
+    """The loss a plugin answers through ``build_loss``, fired once with the setup's ``ctx``;
+    None if none does. Loss terms, which add to the cross-entropy, are refused beside one."""
+    answers = host.results("build_loss", ctx=ctx)
+    if not answers:
+        return None
+    dims = ctx.parallel_dims
+    loss = PluginLoss.of(answers, None if dims.world_size == 1 else data_parallel_group(dims))
+    assert loss is not None
+    if terms is not None:
+        adders = " and ".join(f"'{n}'" for n in host.implementers("loss_terms"))
+        raise PluginError(
+            f"plugin '{loss.name}' answers the loss, so {adders} cannot add loss terms to the "
+            "cross-entropy: enable one or the other"
+        )
+    return loss

@@ -53,7 +53,6 @@ from plugtrain.plugin import (
 from plugtrain.training.conversion import fire_convert_model, trainable_named_parameters
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.loss import RunLoss
-from plugtrain.training.loss_terms import LossTerms
 from plugtrain.training.optim import LRSchedule, build_optimizer, plugin_optimizer
 from plugtrain.training.requests import RunRequests
 from plugtrain.training.run_data import open_training_data
@@ -290,11 +289,11 @@ class Trainer:
             self.model,
             self.loss,
             self.host,
-            LossTerms.of(self.host),
+            ctx,
             self.sync_replicas,
             self.timer,
         )
-        """The model's work in each step: forward, loss, loss terms, backward."""
+        """The model's work in each step: forward, loss (or a plugin's), loss terms, backward."""
         self.validation: Validation | None = None
         if self.val_data is not None:
             args = self.model, self.val_data, self.loss, self.tokenizer, self.host, dims
