@@ -354,6 +354,10 @@ class SetupContext:
     tokenizer: TextTokenizer | None = None
     """The run's tokenizer (``encode``, ``decode``, ``bos_id``, ``eos_id``): what a plugin that
     writes text with :func:`complete` encodes its prompts with. None in unit-test contexts."""
+    data_kind: str = "text"
+    """What the run trains on: ``text``, ``chat`` or ``preference`` (pairs of a chosen and a
+    rejected completion, ``plugtrain.data.preference``, which a loss plugin such as ``dpo``
+    trains on)."""
 
     def plugin_config(self, plugin: object) -> Any:
         """Return ``plugin``'s validated config section (its config dataclass)."""

@@ -57,20 +57,26 @@ def check_conversation(record: Any, where: str) -> list[dict[str, str]]:
     fix = 'give {"messages": [{"role": ..., "content": "..."}, ...]}'
     if not isinstance(record, dict) or "messages" not in record:
         raise DataError(f"{where} has no 'messages' (chat data): {fix}")
-    messages = record["messages"]
+    return check_messages(record["messages"], where, "messages", fix)
+
+
+def check_messages(messages: Any, where: str, key: str, fix: str) -> list[dict[str, str]]:
+    """The list of messages under ``key`` of the record at ``where``, checked; a
+    :class:`DataError` that ends with ``fix`` otherwise."""
     if not isinstance(messages, list) or not messages:
         what = "is empty" if messages == [] else f"is a {type(messages).__name__}, not a list"
-        raise DataError(f"{where}: 'messages' {what}: {fix}")
+        raise DataError(f"{where}: {key!r} {what}: {fix}")
+    named = "message" if key == "messages" else f"{key!r} message"
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise DataError(f"{where}: message {i} is not a JSON object: {fix}")
+            raise DataError(f"{where}: {named} {i} is not a JSON object: {fix}")
         if message.get("role") not in ROLES:
             raise DataError(
-                f"{where}: message {i} has role {message.get('role')!r}: give one of {ROLES}"
+                f"{where}: {named} {i} has role {message.get('role')!r}: give one of {ROLES}"
             )
         if not isinstance(message.get("content"), str):
             what = "no 'content'" if "content" not in message else "a 'content' that is no string"
-            raise DataError(f"{where}: message {i} has {what}: {fix}")
+            raise DataError(f"{where}: {named} {i} has {what}: {fix}")
     return messages
 
 
@@ -220,12 +226,15 @@ class ChatTemplate:
         whole = self.render(probe)
         return whole[whole.rindex("!") + 1 :]
 
-    def assistant_spans(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+    def assistant_spans(
+        self, messages: list[dict[str, str]], text: str, first: int = 0
+    ) -> list[tuple[int, int]]:
         """Character spans of ``text`` (the conversation's rendering) that the assistant's
-        messages and their end-of-turn text cover (see the module doc)."""
+        messages from message ``first`` on and their end-of-turn text cover (see the module
+        doc)."""
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if i < first or message["role"] != "assistant":
                 continue
             before = self.render(messages[:i], add_generation_prompt=True) if i else ""
             upto = self.render(messages[: i + 1])
@@ -279,14 +288,15 @@ def _compiled(source: str) -> Any:
 
 
 def encode_conversation(
-    messages: list[dict[str, str]], template: ChatTemplate, tokenizer: Tokenizer
+    messages: list[dict[str, str]], template: ChatTemplate, tokenizer: Tokenizer, first: int = 0
 ) -> tuple[list[int], np.ndarray]:
-    """The conversation's token ids and, per token, whether it is the assistant's."""
+    """The conversation's token ids and, per token, whether it is the assistant's (in a
+    message from message ``first`` on: a preference pair's completion)."""
     text = template.render(messages)
     ids, offsets = tokenizer.encode_with_offsets(text)
     mask = np.zeros(len(ids), dtype=np.uint8)
     starts = np.array([start for start, _ in offsets], dtype=np.int64)
-    for start, end in template.assistant_spans(messages, text):
+    for start, end in template.assistant_spans(messages, text, first):
         mask[(starts >= start) & (starts < end)] = 1
     return ids, mask
 

@@ -15,6 +15,10 @@ shard a ``shard_NNNNN.mask`` of one byte per token, 1 for the assistant's; the m
 ``chat`` says how many conversations were kept, truncated and dropped, and holds the chat
 template's text and record (a run on the folder records the template it trained with).
 
+Preference data (:mod:`plugtrain.data.preference`) is chat data too: each pair's chosen and
+rejected sides are two documents, packed into samples of ``max_tokens + 1`` tokens; the
+manifest's ``chat`` counts the pairs and says ``"preference": true``.
+
 Progress counts the bytes of the input files read (compressed ones included), against their
 total size: a bar on a terminal, otherwise a line every ``PROGRESS_EVERY`` seconds.
 
@@ -45,6 +49,7 @@ import numpy as np
 import tqdm
 
 from plugtrain.data.chat import ChatEncoder, ChatOptions, ChatTemplate, length_percentiles
+from plugtrain.data.preference import PairPacker, PreferencePair
 from plugtrain.data.sources import check_extras, expand_inputs, is_chat, iter_documents
 from plugtrain.data.store import FORMAT_VERSION, MANIFEST, file_sha256, token_dtype
 from plugtrain.data.tokenizer import Tokenizer
@@ -156,8 +161,8 @@ def _chunks(
 
 class Encoded(NamedTuple):
     """A chunk's token stream, each document's length, for chat data the assistant mask (one
-    byte per token), how many conversations were truncated and dropped, and how many were of
-    each length before any was cut."""
+    byte per token), how many conversations (preference pairs) were truncated and dropped, and
+    how many were of each length before any was cut."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -165,6 +170,8 @@ class Encoded(NamedTuple):
     truncated: int = 0
     dropped: int = 0
     histogram: np.ndarray | None = None
+    pairs: int = 0
+    """Preference data: the pairs kept (each two documents; padding makes the rest)."""
 
 
 _worker_tokenizer: Tokenizer | None = None
@@ -185,12 +192,22 @@ def encode_chunk(
     """The chunk's token stream (``[bos] ids [eos]`` per document; the template's tokens per
     conversation with ``chat``) and each document's length."""
     if chat is not None:
-        ids, masks, truncated, dropped, rendered = chat.encode(texts, tokenizer)
+        pairs = sum(isinstance(text, PreferencePair) for text in texts)
+        if pairs:  # a preference file's records are all pairs (sources checks it)
+            if not chat.max_tokens:
+                raise DataError(
+                    "preference data is packed into samples of training.seq_len + 1 tokens: "
+                    "give the sequence length (prepare-data: --max-tokens SEQ_LEN)"
+                )
+            packer = PairPacker(chat.template, chat.max_tokens + 1, chat.overlong)
+            ids, masks, truncated, dropped, rendered = packer.encode(texts, tokenizer)
+        else:
+            ids, masks, truncated, dropped, rendered = chat.encode(texts, tokenizer)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         tokens = np.fromiter((i for one in ids for i in one), dtype=dtype, count=lengths.sum())
         mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
         histogram = np.bincount(np.asarray(rendered, dtype=np.int64), minlength=1)
-        return Encoded(tokens, lengths, mask, truncated, dropped, histogram)
+        return Encoded(tokens, lengths, mask, truncated, dropped, histogram, pairs - dropped)
     encoded = tokenizer.encode_batch(texts)
     head = 0 if tokenizer.bos_id is None else 1
     lengths = np.fromiter(
@@ -497,7 +514,7 @@ def _write(
 ) -> dict[str, Any]:
     """Write the encoded chunks into ``folder``'s shards; return the manifest's counts."""
     writer = _ShardWriter(folder, layout.shard_tokens, masked=chat is not None)
-    num_tokens = num_docs = input_bytes = truncated = dropped = 0
+    num_tokens = num_docs = input_bytes = truncated = dropped = pairs = 0
     # Conversations by length, uncut: bounded by the longest, however many there are.
     histogram = np.zeros(1, np.int64)
     with closing(progress):
@@ -507,6 +524,7 @@ def _write(
             num_docs += len(encoded.lengths)
             truncated += encoded.truncated
             dropped += encoded.dropped
+            pairs += encoded.pairs
             if encoded.histogram is not None:
                 longer = max(len(histogram), len(encoded.histogram))
                 histogram = np.pad(histogram, (0, longer - len(histogram)))
@@ -522,12 +540,14 @@ def _write(
             # The text itself: a run on this folder records the template it trained with.
             "template_source": chat.template.source,
             "template_record": chat.template.record(),
-            "conversations": num_docs + dropped,
+            "conversations": (pairs if pairs else num_docs) + dropped,
             "truncated": truncated,
             "dropped": dropped,
             # Token lengths before cutting: the run's line on cut ones names a seq_len that fits.
             "lengths": length_percentiles(histogram),
         }
+        if pairs:  # preference data: the conversations above are its pairs
+            extra["chat"]["preference"] = True
     return {
         "format_version": FORMAT_VERSION,
         "dtype": token_dtype(tokenizer.vocab_size).name,

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from plugtrain import sample
 from plugtrain.data.chat import Conversation, check_conversation
+from plugtrain.data.preference import check_preference, is_preference
 from plugtrain.errors import DataError, MissingFileError, require_extra
 
 SUFFIXES = (
@@ -109,14 +110,17 @@ def _records(path: Path, kind: str, label: str) -> Iterator[tuple[int, bytes, An
 
 def is_chat(path: Path, data_format: str = "auto", *, label: str = "input") -> bool:
     """Whether ``path`` holds chat data under ``data.format`` ``data_format``: forced, or
-    (``auto``) a JSONL file whose first record holds ``messages``."""
+    (``auto``) a JSONL file whose first record holds ``messages``, or ``chosen`` and
+    ``rejected`` (preference data, :mod:`plugtrain.data.preference`)."""
     kind = _kind(path)
     if data_format == "chat":
         _check_jsonl(path, kind, label)
     if data_format != "auto" or kind in (None, ".parquet", ".txt"):
         return data_format == "chat"
     first = next(_records(path, str(kind), label), None)
-    return first is not None and isinstance(first[2], dict) and "messages" in first[2]
+    if first is None:
+        return False
+    return (isinstance(first[2], dict) and "messages" in first[2]) or is_preference(first[2])
 
 
 def _check_jsonl(path: Path, kind: str | None, label: str) -> None:
@@ -130,9 +134,15 @@ def _check_jsonl(path: Path, kind: str | None, label: str) -> None:
 def _jsonl(
     path: Path, kind: str, field: str, label: str, chat: bool
 ) -> Iterator[tuple[Any, int, int]]:
+    pairs = None  # preference data or conversations: as the first record is
     for lineno, line, record, position in _records(path, kind, label):
         if chat:
-            messages = check_conversation(record, f"{label} '{path}' line {lineno}")
+            where = f"{label} '{path}' line {lineno}"
+            pairs = is_preference(record) if pairs is None else pairs
+            if pairs:
+                yield check_preference(record, where), len(line), position
+                continue
+            messages = check_conversation(record, where)
             yield Conversation(messages, f"{path}:{lineno}"), len(line), position
             continue
         if not isinstance(record, dict) or not isinstance(record.get(field), str):

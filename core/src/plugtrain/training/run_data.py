@@ -30,6 +30,7 @@ from plugtrain.data import (
     open_token_store,
 )
 from plugtrain.distributed import ParallelDims
+from plugtrain.errors import DataError
 from plugtrain.plugin import RunControl
 
 logger = logging.getLogger("plugtrain")
@@ -46,6 +47,8 @@ class TrainingData:
     batches: SkippingLoader
     """Each step's microbatches of the training samples, on the device, the skipped ranges
     left out."""
+    kind: str = "text"
+    """What the training data is: ``text``, ``chat`` or ``preference`` (pairs, for DPO)."""
     chat_template: ChatTemplate | None = None
     """The chat template the training data was rendered with (saved with each checkpoint, for
     ``export-hf`` and ``generate --chat``); None for text, or when it cannot be told."""
@@ -81,21 +84,27 @@ def open_training_data(config: JobConfig, dims: ParallelDims, control: RunContro
         shuffle=config.data.shuffle,
     )
     batches = SkippingLoader(DevicePrefetcher(loader, dims.device), control.skip_ranges)
-    return TrainingData(train, validation, batches, chat_template)
+    (kind,) = kinds if len(kinds) == 1 else ("chat",)  # chat and text mixed: chat's mask
+    return TrainingData(train, validation, batches, kind, chat_template)
 
 
 def _train_dataset(
     config: JobConfig, dims: ParallelDims
 ) -> tuple[PackedDataset | MixtureDataset, ChatTemplate | None, set[str]]:
     """``data.train_path``'s samples, or the mixture of ``data.sources`` when set, the chat
-    template they were rendered with, and their kinds ("chat", "text")."""
+    template they were rendered with, and their kinds ("chat", "preference", "text")."""
     data = config.data
     named = [(s["path"], f"data.sources[{i}]") for i, s in enumerate(data.sources)]
     named = named or [(data.train_path, "data.train_path")]
     stores = [_store(config, dims, path, key) for path, key in named]
     kinds = {_kind(store) for store in stores}
     # Read before the model is built, so that "auto" attention can follow the data.
-    config.resolve_attention(chat="chat" in kinds)
+    if "preference" in kinds and len(kinds) > 1:
+        raise DataError(
+            f"the training data mixes preference pairs with {' and '.join(kinds - {'preference'})} "
+            "data: train on preference data alone (a DPO run)"
+        )
+    config.resolve_attention(chat=kinds != {"text"})
     datasets = [_packed(config, store, *where) for store, where in zip(stores, named, strict=True)]
     template = _chat_template(config, dims, stores, named)
     if not data.sources:
@@ -110,12 +119,18 @@ def _train_dataset(
     return mixture, template, kinds
 
 
-SAMPLE_VALIDATION = {"chat": "sample:chat_validation.jsonl", "text": "sample:validation.jsonl"}
+SAMPLE_VALIDATION = {
+    "chat": "sample:chat_validation.jsonl",
+    "preference": "sample:preference_validation.jsonl",
+    "text": "sample:validation.jsonl",
+}
 """The shipped validation data of each kind, named in the line on a mismatched kind."""
 
 
 def _kind(store: TokenStore) -> str:
-    return "text" if store.chat is None else "chat"
+    if store.chat is None:
+        return "text"
+    return "preference" if store.chat.get("preference") else "chat"
 
 
 def _check_validation_kind(store: TokenStore, train_kinds: set[str], path: str) -> None:
@@ -209,8 +224,14 @@ def _store(config: JobConfig, dims: ParallelDims, path: str, key: str) -> TokenS
 
 def _packed(config: JobConfig, store: TokenStore, path: str, key: str) -> PackedDataset:
     """``store``'s samples, with the documents, positions and loss mask the run uses."""
-    data = config.data
+    data, seq_len = config.data, config.training.seq_len
     masked = store.chat is not None and data.chat_loss == "assistant"
+    if _kind(store) == "preference" and store.chat["max_tokens"] != seq_len:
+        raise DataError(
+            f"{key} '{path}' packs its preference pairs into samples of seq_len "
+            f"{store.chat['max_tokens']}: set training.seq_len {store.chat['max_tokens']}, or "
+            f"prepare it again with --max-tokens {seq_len}"
+        )
     return PackedDataset(
         store,
         config.training.seq_len,

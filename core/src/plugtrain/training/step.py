@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from plugtrain.data import MicroBatch
-from plugtrain.errors import PluginError
+from plugtrain.errors import DataError, PluginError
 from plugtrain.host import PluginHost
 from plugtrain.observability import StepTimer
 from plugtrain.plugin import SetupContext, StepContext, data_parallel_group
@@ -90,6 +90,11 @@ def plugin_loss(host: PluginHost, ctx: SetupContext, terms: LossTerms | None) ->
     None if none does. Loss terms, which add to the cross-entropy, are refused beside one."""
     answers = host.results("build_loss", ctx=ctx)
     if not answers:
+        if ctx.data_kind == "preference":
+            raise DataError(
+                "the training data is preference pairs (chosen, rejected), but no enabled plugin "
+                "answers their loss: enable the 'dpo' plugin (plugins.enabled)"
+            )
         return None
     dims = ctx.parallel_dims
     loss = PluginLoss.of(answers, None if dims.world_size == 1 else data_parallel_group(dims))

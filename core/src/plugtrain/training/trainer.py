@@ -136,7 +136,7 @@ class Trainer:
         self.control = RunControl()
         data = open_training_data(self.config, self.parallel_dims, self.control)
         self.train_data, self.val_data, self.batches = data.train, data.validation, data.batches
-        self.chat_template = data.chat_template
+        self.chat_template, self.data_kind = data.chat_template, data.kind
 
     def _build_model(self) -> None:
         """The run's loss (``training.loss``), then the model: built on the meta device,
@@ -281,6 +281,7 @@ class Trainer:
             export_hf=partial(export_checkpoint, conversion=conversion_of(self.model)),
             control=self.control,
             tokenizer=self.tokenizer,
+            data_kind=self.data_kind,
         )
         self.host.setup(ctx)
         self.metrics.shown = ctx.console
