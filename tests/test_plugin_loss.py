@@ -92,3 +92,28 @@ def test_a_second_answer_a_wrong_one_or_loss_terms_beside_one_are_refused(
 ):
     with pytest.raises(PluginError, match=message):
         make_trainer(tmp_path, plugins=plugins)
+
+
+class Copier:
+    """Takes a frozen copy of the model in setup, as a loss plugin's reference."""
+
+    def __init__(self) -> None:
+        self.copy: torch.nn.Module | None = None
+
+    @hookimpl
+    def setup(self, ctx: SetupContext) -> None:
+        self.copy = ctx.frozen_copy()
+
+
+def test_a_frozen_copy_holds_the_starting_weights_in_storage_of_its_own(tmp_path):
+    copier = Copier()
+    trainer = make_trainer(tmp_path, plugins=[("copier", copier)])
+    start = [p.detach().clone() for p in trainer.model.parameters()]
+    copies = list(copier.copy.parameters())
+    assert len(copies) == len(start)
+    assert all(
+        torch.equal(c, s) and not c.requires_grad for c, s in zip(copies, start, strict=True)
+    )
+    trainer.run()
+    assert all(torch.equal(c, s) for c, s in zip(copies, start, strict=True))
+    assert not torch.equal(next(trainer.model.parameters()), start[0])

@@ -15,6 +15,7 @@ import pluggy
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from plugtrain import API_VERSION, PROJECT_NAME
 from plugtrain.data import IGNORE_INDEX, MicroBatch, Rewind, SkipRange
@@ -358,6 +359,40 @@ class SetupContext:
     """What the run trains on: ``text``, ``chat`` or ``preference`` (pairs of a chosen and a
     rejected completion, ``plugtrain.data.preference``, which a loss plugin such as ``dpo``
     trains on)."""
+    build_like: Callable[[], nn.Module] | None = field(default=None, repr=False)
+    """Builds a model laid out like the run's (family, shape, tensor-parallel split, FSDP2
+    sharding, mixed precision), without the model hooks, its weights empty: what
+    :meth:`frozen_copy` fills. None in unit-test contexts."""
+
+    def frozen_copy(self) -> nn.Module:
+        """A frozen copy of the model as it is now: in ``setup``, the run's starting weights
+        (initialised, or the initial load). A resumed run loads its checkpoint after ``setup``
+        and skips the initial load, so its copy is of the seeded init: a plugin whose copy
+        must outlive a resume saves it in its ``state_dict`` (dpo does). Built by
+        :attr:`build_like`, each parameter shard copied from the model's (the parameters
+        ``convert_model`` added are not there), ``requires_grad`` False: run it under
+        ``torch.no_grad``. Under FSDP2 each of its forwards ends resharded: FSDP2 would keep
+        the root's and the last block's parameters gathered for a backward that never comes
+        (about 2 GB a GPU for an 8B model's embedding and output)."""
+        if self.build_like is None:
+            raise PluginError(
+                "this setup context builds no model (a unit test's): take the frozen copy in a "
+                "real run's setup (plugtrain.testing.make_trainer)"
+            )
+        copy = self.build_like()
+        theirs = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, param in copy.named_parameters():
+                param.copy_(theirs[name])
+        groups = [m for m in copy.modules() if isinstance(m, FSDPModule)]
+
+        def reshard(*_: object) -> None:
+            for group in groups:
+                group.reshard()
+
+        if groups:
+            copy.register_forward_hook(reshard)
+        return copy.requires_grad_(False).eval()
 
     def plugin_config(self, plugin: object) -> Any:
         """Return ``plugin``'s validated config section (its config dataclass)."""

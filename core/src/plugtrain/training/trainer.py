@@ -154,7 +154,8 @@ class Trainer:
             # The group only where it is used: on a 2-D mesh its first call creates it.
             group=data_parallel_group(self.parallel_dims) if masked else None,
         )
-        self.model = build_model(
+        self.build_like = partial(
+            build_model,
             self.model_spec,
             self.model_args,
             self.parallel_dims.get_mesh("dp"),
@@ -162,10 +163,12 @@ class Trainer:
             self.reduce_dtype,
             self.device,
             train_cfg.seed,
-            transform=self._transform_model,
-            init_weights=self.initial_load is None,
+            init_weights=False,
             tp_mesh=self.parallel_dims.get_mesh("tp") if self.parallel_dims.tp_enabled else None,
         )
+        """Builds a model laid out like the run's, without the model hooks, its weights empty."""
+        init = self.initial_load is None
+        self.model = self.build_like(transform=self._transform_model, init_weights=init)
         self.params = tuple(p for _, p in trainable_named_parameters(self.model))
         """The trainable parameters, in order, for the step hooks and the optimizer."""
         self.sync_replicas = replica_sync(self.model, self.parallel_dims.get_mesh("dp"))
@@ -282,18 +285,13 @@ class Trainer:
             control=self.control,
             tokenizer=self.tokenizer,
             data_kind=self.data_kind,
+            build_like=self.build_like,
         )
         self.host.setup(ctx)
         self.metrics.shown = ctx.console
         self.loss_scaler = ctx.loss_scaler
-        self.runner = StepRunner(
-            self.model,
-            self.loss,
-            self.host,
-            ctx,
-            self.sync_replicas,
-            self.timer,
-        )
+        runner = self.model, self.loss, self.host, ctx, self.sync_replicas, self.timer
+        self.runner = StepRunner(*runner)
         """The model's work in each step: forward, loss (or a plugin's), loss terms, backward."""
         self.validation: Validation | None = None
         if self.val_data is not None:
