@@ -1,0 +1,216 @@
+"""DPO (direct preference optimisation) as a plugtrain plugin: the loss of preference pairs.
+
+The run trains on preference data (``plugtrain.data.preference``): each sample holds whole
+pairs, a chosen side as an even document and its rejected side as the next, each masked on its
+completion. The plugin answers the step's loss (the ``build_loss`` hook): for each microbatch
+it runs the policy (the model) and the reference (a frozen copy of the starting weights) on
+the same rows, sums each side's log-probabilities over its completion tokens and returns the
+pairs' DPO losses summed; the trainer divides by the step's count of pairs over every
+microbatch and data-parallel rank, so the step's loss is the mean over all its pairs whatever
+the split (not a mean of per-microbatch means: ms-swift PR #10144).
+
+With ``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))``:
+
+* ``loss_type = "sigmoid"`` (the DPO paper, TRL's default):
+  ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``, ``eps`` the
+  ``label_smoothing`` (cDPO);
+* ``loss_type = "ipo"``: ``(h - 1 / (2 beta))^2`` with each side's log-probability averaged
+  over its completion tokens, as TRL computes IPO.
+
+At step 1 the policy is the reference, ``h = 0`` and the sigmoid loss is ``ln 2``.
+
+The reference (``reference = "copy"``) is built by ``SetupContext.frozen_copy``: laid out as
+the model is (sharded by FSDP2), its forwards under ``torch.no_grad``, each resharded as it
+ends (FSDP2 would leave the root and the last block gathered after a forward, holding a whole
+embedding and output layer per GPU through the step: torchtune PR #2275).
+
+Metrics, on logging steps, means over the step's pairs: ``dpo/rewards_chosen`` and
+``dpo/rewards_rejected`` (``beta`` times each side's log-ratio to the reference),
+``dpo/margin`` (their difference) and ``dpo/reward_accuracy`` (the share of pairs whose chosen
+reward is the larger).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from plugtrain.plugin import (
+    IGNORE_INDEX,
+    MicroBatch,
+    PluginError,
+    SetupContext,
+    StepContext,
+    check_field,
+    data_parallel_group,
+    hookimpl,
+    refuse_tensor_parallel,
+)
+
+LOSS_TYPES = ("sigmoid", "ipo")
+REFERENCES = ("copy",)
+METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "margin")
+
+
+@dataclass
+class DpoConfig:
+    """The ``[dpo]`` config section."""
+
+    beta: float = 0.1
+    """How far the policy may move from the reference: the scale of the log-ratios."""
+    loss_type: str = "sigmoid"
+    """``sigmoid`` (DPO) or ``ipo``."""
+    label_smoothing: float = 0.0
+    """The assumed share of pairs whose preference is flipped (cDPO), with ``sigmoid``."""
+    reference: str = "copy"
+    """``copy``: a frozen, sharded copy of the starting weights."""
+
+    def __post_init__(self) -> None:
+        check_field(0 < self.beta < math.inf, "beta", f"must be finite and > 0, got {self.beta}")
+        check_field(
+            self.loss_type in LOSS_TYPES,
+            "loss_type",
+            f"must be one of {LOSS_TYPES}, got {self.loss_type!r}",
+        )
+        check_field(
+            0 <= self.label_smoothing < 0.5,
+            "label_smoothing",
+            f"must be in [0, 0.5), got {self.label_smoothing}",
+        )
+        check_field(
+            self.label_smoothing == 0 or self.loss_type == "sigmoid",
+            "label_smoothing",
+            f"applies to loss_type 'sigmoid' only, not {self.loss_type!r}: set it to 0",
+        )
+        check_field(
+            self.reference != "adapters_off",
+            "reference",
+            "'adapters_off' needs the lora plugin, not yet supported: use 'copy'",
+        )
+        check_field(
+            self.reference in REFERENCES,
+            "reference",
+            f"must be one of {REFERENCES}, got {self.reference!r}",
+        )
+
+
+def side_sums(logits: torch.Tensor, microbatch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each document's summed log-probability of its counted targets and their number,
+    ``(rows, documents)`` in fp32 with an even number of documents: even columns the chosen
+    sides, odd ones the rejected. A counted target is a completion token, never a document's
+    first, so the input before it is of the same document."""
+    targets, documents = microbatch.targets, microbatch.documents
+    assert documents is not None, "dpo checks model.attention = 'document' in setup"
+    rows, seq_len = targets.shape
+    logps = -F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), reduction="none"
+    ).view(rows, seq_len)  # 0 where the target is IGNORE_INDEX
+    counted = (targets != IGNORE_INDEX).float()
+    index = documents.long()
+    width = seq_len + seq_len % 2
+    sums = logps.new_zeros(rows, width).scatter_add_(1, index, logps)
+    counts = counted.new_zeros(rows, width).scatter_add_(1, index, counted)
+    return sums, counts
+
+
+def pairs_of(counts: torch.Tensor) -> torch.Tensor:
+    """Which (row, pair) slots hold a pair: both sides have completion tokens (a padding
+    document, the last of its row, has none)."""
+    return (counts[:, 0::2] > 0) & (counts[:, 1::2] > 0)
+
+
+class Dpo:
+    """Answers the loss of preference pairs against a frozen reference (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.config = DpoConfig()
+        self.reference: nn.Module | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.sums: torch.Tensor | None = None
+        """The step's metric sums on this rank so far, then its pair count (see METRICS)."""
+
+    @hookimpl
+    def config_section(self) -> type:
+        return DpoConfig
+
+    @hookimpl
+    def setup(self, ctx: SetupContext) -> None:
+        self.config = ctx.plugin_config(self)
+        refuse_tensor_parallel(ctx.parallel_dims, "dpo")
+        if ctx.data_kind != "preference":
+            raise PluginError(
+                f"plugin 'dpo' trains on preference pairs, but the training data is "
+                f"{ctx.data_kind}: set data.train_path to a JSONL file of "
+                '{"prompt", "chosen", "rejected"} records (sample:preference_train.jsonl)'
+            )
+        if ctx.config.model.attention != "document" or ctx.config.data.chat_loss != "assistant":
+            raise PluginError(
+                "plugin 'dpo' needs model.attention = \"document\" (a pair's sides share a row "
+                'and must not see each other) and data.chat_loss = "assistant" (the '
+                "completions' tokens): leave both at their defaults"
+            )
+        self.reference = ctx.frozen_copy()
+        dims = ctx.parallel_dims
+        self.group = data_parallel_group(dims) if dims.dp_size > 1 else None
+
+    @hookimpl
+    def build_loss(self, ctx: SetupContext) -> Dpo:
+        return self
+
+    def units(self, microbatch: MicroBatch) -> torch.Tensor:
+        """The microbatch's pairs."""
+        targets, documents = microbatch.targets, microbatch.documents
+        assert documents is not None
+        width = targets.shape[1] + targets.shape[1] % 2
+        counted = (targets != IGNORE_INDEX).float()
+        counts = counted.new_zeros(targets.shape[0], width)
+        return pairs_of(counts.scatter_add_(1, documents.long(), counted)).sum()
+
+    def __call__(self, model: nn.Module, microbatch: MicroBatch, ctx: StepContext) -> torch.Tensor:
+        """The microbatch's DPO losses, summed over its pairs."""
+        assert self.reference is not None
+        inputs, extra = microbatch.inputs, microbatch.model_inputs()
+        with torch.no_grad():
+            # Resharded as its forward ends (SetupContext.frozen_copy).
+            ref_sums, counts = side_sums(self.reference(inputs, **extra), microbatch)
+        sums, _ = side_sums(model(inputs, **extra), microbatch)
+        valid = pairs_of(counts)
+        if self.config.loss_type == "ipo":  # IPO: log-probs averaged over the completion
+            per_token = counts.clamp(min=1)
+            sums, ref_sums = sums / per_token, ref_sums / per_token
+        ratios = sums - ref_sums
+        chosen, rejected = ratios[:, 0::2], ratios[:, 1::2]
+        h = chosen - rejected
+        beta = self.config.beta
+        if self.config.loss_type == "ipo":
+            losses = (h - 1 / (2 * beta)).square()
+        else:
+            eps = self.config.label_smoothing
+            losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+        self._observe(beta * chosen.detach(), beta * rejected.detach(), valid, ctx.microbatch)
+        return torch.where(valid, losses, 0.0).sum()
+
+    def _observe(
+        self, chosen: torch.Tensor, rejected: torch.Tensor, valid: torch.Tensor, microbatch: int
+    ) -> None:
+        """Add the microbatch's pairs to the step's metric sums (on the device)."""
+        values = [chosen, rejected, (chosen > rejected).float(), chosen - rejected]
+        sums = torch.stack(
+            [torch.where(valid, v, 0.0).sum() for v in values] + [valid.sum().float()]
+        )
+        self.sums = sums if microbatch == 0 or self.sums is None else self.sums + sums
+
+    @hookimpl
+    def step_metrics(self, ctx: StepContext) -> dict[str, torch.Tensor] | None:
+        if self.sums is None:
+            return None
+        sums = self.sums.clone()
+        if self.group is not None:
+            dist.all_reduce(sums, group=self.group)
+        means = sums[:-1] / sums[-1].clamp(min=1)
+        return dict(zip(METRICS, means.unbind(), strict=True))

@@ -1,0 +1,207 @@
+"""dpo: its config, the loss of preference pairs against a frozen reference, in real runs.
+
+These tests import only the plugin API and the test kit (``plugtrain.testing``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from plugtrain_dpo import METRICS, Dpo
+from torch.distributed.tensor import DTensor
+
+from plugtrain.plugin import IGNORE_INDEX, ConfigError, PluginError, full_tensor
+from plugtrain.testing import (
+    SAMPLE,
+    make_trainer,
+    read_metrics,
+    run_distributed,
+    setup_context,
+    step_context,
+)
+
+NAME = "dpo"
+ENABLED = ("--plugins.enabled", NAME)
+PAIRS = ("--data.train_path", str(SAMPLE / "preference_train.jsonl"), "--training.seq_len", "256")
+RUN = (*ENABLED, *PAIRS, "--training.batch_size", "4")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--dpo.reference", "adapters_off"), "'adapters_off' needs the lora plugin, not yet"),
+        (("--dpo.loss_type", "kto"), r"must be one of \('sigmoid', 'ipo'\), got 'kto'"),
+        (("--dpo.beta", "0"), "must be finite and > 0, got 0"),
+        (("--dpo.label_smoothing", "0.5"), r"must be in \[0, 0.5\), got 0.5"),
+    ],
+)
+def test_the_config_is_checked_in_one_line(args, message):
+    with pytest.raises(ConfigError, match=message):
+        setup_context({}, *ENABLED, *args)
+
+
+def test_text_data_to_a_dpo_run_is_refused_before_step_one(tmp_path):
+    with pytest.raises(PluginError, match="plugin 'dpo' trains on preference pairs, but the "):
+        make_trainer(tmp_path, *ENABLED)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def losses(folder: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(folder) if "loss" in r]
+
+
+def test_step_one_is_ln2_and_the_reference_stays_as_it_was(tmp_path):
+    plugin = Dpo()
+    trainer = make_trainer(tmp_path, *RUN, steps=3, plugins=[(NAME, plugin)])
+    before = [p.detach().clone() for p in plugin.reference.parameters()]
+    trainer.run()
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert abs(records[0]["loss"] - math.log(2)) < 1e-6
+    assert records[0]["dpo/margin"] == 0 and records[0]["dpo/rewards_chosen"] == 0
+    assert all({f"dpo/{m}" for m in METRICS} <= set(r) for r in records)
+    after = list(plugin.reference.parameters())
+    assert all(
+        torch.equal(a, b) and not a.requires_grad for a, b in zip(after, before, strict=True)
+    )
+    assert all(p.grad is None for p in after)
+    moved = trainer.model.parameters()
+    assert not any(torch.equal(p, b) for p, b in zip(moved, before, strict=True))
+
+
+def test_the_loss_falls_and_the_chosen_reward_rises_on_a_batch_trained_again(tmp_path):
+    trainer = make_trainer(tmp_path, *RUN, "--lr_scheduler.warmup_steps", "0", steps=10)
+    batch = trainer.batches.next_batch()
+    losses, margins = [], []
+    for _ in range(10):
+        loss, ctx = trainer.train_step(batch)
+        losses.append(loss.item())
+        margins.append(trainer.host.results("step_metrics", ctx=ctx)[NAME]["margin"].item())
+    assert abs(losses[0] - math.log(2)) < 1e-6 and margins[0] == 0
+    assert losses[-1] < losses[0] - 0.1 and all(m > 0 for m in margins[1:]), (losses, margins)
+    trainer.close()
+
+
+def hand_loss(logps: dict[str, torch.Tensor], beta: float) -> torch.Tensor:
+    """DPO's sigmoid loss of one pair from its four summed log-probabilities."""
+    h = (logps["policy_c"] - logps["ref_c"]) - (logps["policy_r"] - logps["ref_r"])
+    return -F.logsigmoid(beta * h)
+
+
+@pytest.mark.slow  # transformers and an HF folder: seconds
+def test_a_pairs_loss_is_the_hand_computation_from_transformers_log_probs(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from plugtrain.testing.hf import hf_llama_folder
+
+    folder = hf_llama_folder(tmp_path / "llama", vocab_size=2053)
+    plugin = Dpo()
+    trainer = make_trainer(
+        tmp_path / "run",
+        *RUN,
+        *("--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder)),
+        *("--model.tokenizer_path", str(folder / "tokenizer.json"), "--dpo.beta", "0.5"),
+        plugins=[(NAME, plugin)],
+    )
+    # The policy moves off the reference: its final norm scaled, in both worlds.
+    with torch.no_grad():
+        trainer.model.norm.weight.mul_(1.5)
+    microbatch = trainer.batches.next_batch()[0]
+    with torch.no_grad():
+        ours = plugin(trainer.model, microbatch, step_context(trainer.model))
+    hf = {}
+    for name, scale in (("ref", 1.0), ("policy", 1.5)):
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            model.model.norm.weight.mul_(scale)
+        hf[name] = model
+    theirs, pairs = torch.zeros(()), 0
+    for row in range(microbatch.inputs.shape[0]):
+        docs = microbatch.documents[row]
+        for pair in range(0, int(docs.max()) + 1, 2):
+            logps = {}
+            for side, doc in (("c", pair), ("r", pair + 1)):
+                at = (docs == doc).nonzero().flatten()
+                ids = microbatch.inputs[row, at[0] : at[-1] + 1]
+                targets = microbatch.targets[row, at[0] : at[-1] + 1]
+                if (targets != IGNORE_INDEX).sum() == 0:
+                    break  # a padding document
+                counted = targets != IGNORE_INDEX
+                for name, model in hf.items():
+                    with torch.no_grad():
+                        logits = model(ids[None]).logits[0]
+                    picked = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[:, None])
+                    logps[f"{name}_{side}"] = picked[:, 0][counted].sum()
+            if len(logps) == 4:
+                theirs, pairs = theirs + hand_loss(logps, 0.5), pairs + 1
+    assert pairs == int(plugin.units(microbatch)) > 0
+    assert abs(theirs - math.log(2) * pairs) > 1e-3  # the policy is not the reference
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    trainer.close()
+
+
+class ShardChecked(Dpo):
+    """Dpo that records, after each microbatch, whether every reference parameter is a
+    sharded DTensor (FSDP2 leaves the root gathered after a forward unless resharded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sharded: list[bool] = []
+
+    def __call__(self, model, microbatch, ctx):
+        loss = super().__call__(model, microbatch, ctx)
+        self.sharded.append(
+            all(
+                isinstance(p, DTensor) and all(pl.is_shard() for pl in p.placements)
+                for p in self.reference.parameters()
+            )
+        )
+        return loss
+
+
+def _trained(folder: str, accum: int) -> dict:
+    """Train 10 fp32 steps of 8 rows in ``accum`` microbatches; what rank 0 saw."""
+    plugin = ShardChecked()
+    trainer = make_trainer(
+        folder, *RUN, *("--training.batch_size", "8", "--training.grad_accum_steps", str(accum)),
+        steps=10, plugins=[(NAME, plugin)],
+    )  # fmt: skip
+    start = [full_tensor(p).clone() for p in plugin.reference.parameters()]
+    trainer.run()
+    after = [full_tensor(p) for p in plugin.reference.parameters()]
+    unchanged = all(torch.equal(a, b) for a, b in zip(after, start, strict=True))
+    trainer.close()
+    return {"losses": losses(Path(folder)), "sharded": plugin.sharded, "unchanged": unchanged}
+
+
+@pytest.mark.slow  # two spawned processes
+def test_two_processes_of_two_microbatches_give_one_process_losses(tmp_path):
+    """Over 10 fp32 steps, 2 ranks x 2 microbatches (unequal pairs each) train as 1 process
+    with the whole batch: the loss is the mean over all the step's pairs, and the reference
+    stays sharded and unchanged; a mean of per-microbatch means would weigh pairs otherwise."""
+    one = _trained(str(tmp_path / "one"), 1)
+    ranks = run_distributed(_trained, 2, str(tmp_path / "two"), 2)
+    two = ranks[0]
+    assert len(one["losses"]) == len(two["losses"]) == 10
+    assert abs(one["losses"][0] - math.log(2)) < 1e-6
+    for mine, theirs in zip(two["losses"], one["losses"], strict=True):
+        assert math.isclose(mine, theirs, rel_tol=1e-5), (two["losses"], one["losses"])
+    for rank in ranks:
+        assert rank["unchanged"] and len(rank["sharded"]) == 20 and all(rank["sharded"])
+    # The first step's rows, split as the 2 x 2 run split them: unequal pairs per microbatch,
+    # and, with the trained policy, a per-microbatch mean off the mean over the pairs.
+    plugin = Dpo()
+    split = ("--training.batch_size", "8", "--training.grad_accum_steps", "4")
+    trainer = make_trainer(tmp_path / "check", *RUN, *split, plugins=[(NAME, plugin)])
+    batch = trainer.batches.next_batch()
+    with torch.no_grad():
+        trainer.model.norm.weight.mul_(1.5)  # away from the reference
+        sums = [plugin(trainer.model, m, step_context(trainer.model)) for m in batch]
+    units = [int(plugin.units(m)) for m in batch]
+    assert len(set(units)) > 1, units
+    pair_mean = sum(sums) / sum(units)
+    per_microbatch = sum(s / n for s, n in zip(sums, units, strict=True)) / len(units)
+    assert abs(pair_mean - per_microbatch) > 1e-4
+    trainer.close()
