@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from plugtrain.errors import PluginError
-from plugtrain.plugin import IGNORE_INDEX, MicroBatch, SetupContext, StepContext, hookimpl
+from plugtrain.plugin import IGNORE_INDEX, MicroBatch, SetupContext, hookimpl
 from plugtrain.testing import SAMPLE, make_trainer, read_metrics
 
 CHAT = ("--data.train_path", str(SAMPLE / "chat_train.jsonl"), "--training.seq_len", "96",
@@ -31,8 +31,8 @@ class TokenLoss:
     def units(self, microbatch: MicroBatch) -> torch.Tensor:
         return (microbatch.targets != IGNORE_INDEX).sum()
 
-    def __call__(self, model: torch.nn.Module, microbatch: MicroBatch, ctx: StepContext):
-        self.calls.append((ctx.step, ctx.microbatch))
+    def __call__(self, model: torch.nn.Module, microbatch: MicroBatch, index: int):
+        self.calls.append(index)
         logits = model(microbatch.inputs, **microbatch.model_inputs())
         return F.cross_entropy(
             logits.flatten(0, 1).float(), microbatch.targets.flatten(), reduction="sum"
@@ -55,7 +55,7 @@ def test_a_plugin_loss_is_normalised_by_the_steps_units_over_unequal_microbatche
     answer = TokenLoss()
     answered = make_trainer(tmp_path / "answered", *CHAT, plugins=[("tokens", answer)])
     answered.run()
-    assert answer.calls == [(s, m) for s in (1, 2, 3) for m in range(4)]
+    assert answer.calls == [0, 1, 2, 3] * 3
     for mine, theirs in zip(
         losses(tmp_path / "answered"), losses(tmp_path / "plain2"), strict=True
     ):
@@ -117,3 +117,15 @@ def test_a_frozen_copy_holds_the_starting_weights_in_storage_of_its_own(tmp_path
     trainer.run()
     assert all(torch.equal(c, s) for c, s in zip(copies, start, strict=True))
     assert not torch.equal(next(trainer.model.parameters()), start[0])
+
+
+def test_validation_computes_a_plugin_loss_over_the_units_of_its_batches(tmp_path):
+    validation = ("--validation.interval", "3", "--validation.steps", "2",
+                  "--data.validation_path", str(SAMPLE / "chat_validation.jsonl"))  # fmt: skip
+    make_trainer(tmp_path / "plain", *CHAT, *validation).run()
+    make_trainer(tmp_path / "answered", *CHAT, *validation, plugins=[("t", TokenLoss())]).run()
+    (plain,) = [r for r in read_metrics(tmp_path / "plain") if "validation_loss" in r]
+    (answered,) = [r for r in read_metrics(tmp_path / "answered") if "validation_loss" in r]
+    # The cross-entropy again, as a plugin answers it: the mean over the counted targets.
+    assert math.isclose(answered["validation_loss"], plain["validation_loss"], rel_tol=1e-6)
+    assert "validation_bpb" in plain and "validation_bpb" not in answered

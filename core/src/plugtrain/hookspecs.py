@@ -271,7 +271,9 @@ def build_loss(ctx: SetupContext) -> StepLoss | None:
     ``pre_backward``. Summed over the microbatches and averaged over the ranks, the step's
     loss is then the mean over every unit of the step, whatever the split: never a mean of
     per-microbatch means, which weighs a unit of a microbatch with few of them more (ms-swift
-    PR #10144). The logged ``loss`` is that mean. It may run other forwards (under
+    PR #10144). The logged ``loss`` is that mean. Validation passes call it too, under
+    ``torch.no_grad``, on the validation batches: ``validation_loss`` is the mean over all
+    their units (and no ``validation_bpb`` is logged). It may run other forwards (under
     ``torch.no_grad``) but changes no parameter of the model, and no step hook's order.
     """
 

@@ -491,10 +491,12 @@ class StepLoss(Protocol):
         """How many units (pairs, sequences) ``microbatch`` holds: a 0-d tensor on the device."""
         ...
 
-    def __call__(self, model: nn.Module, microbatch: MicroBatch, ctx: StepContext) -> torch.Tensor:
-        """``microbatch``'s loss summed over its units, 0-d, in the autograd graph: the plugin
-        runs ``model``'s forward itself (``model(microbatch.inputs,
-        **microbatch.model_inputs())``)."""
+    def __call__(self, model: nn.Module, microbatch: MicroBatch, index: int) -> torch.Tensor:
+        """``microbatch``'s loss summed over its units, 0-d, in the autograd graph (under
+        ``torch.no_grad`` in validation): the plugin runs ``model``'s forward itself
+        (``model(microbatch.inputs, **microbatch.model_inputs())``). ``index`` is the
+        microbatch's in its step, or its batch's in a validation pass: 0 starts a new one (a
+        plugin that sums metrics over a step or a pass starts them again)."""
         ...
 
 

@@ -21,7 +21,6 @@ from plugtrain.testing import (
     read_metrics,
     run_distributed,
     setup_context,
-    step_context,
 )
 
 NAME = "dpo"
@@ -110,7 +109,7 @@ def test_a_pairs_loss_is_the_hand_computation_from_transformers_log_probs(tmp_pa
         trainer.model.norm.weight.mul_(1.5)
     microbatch = trainer.batches.next_batch()[0]
     with torch.no_grad():
-        ours = plugin(trainer.model, microbatch, step_context(trainer.model))
+        ours = plugin(trainer.model, microbatch, 0)
     hf = {}
     for name, scale in (("ref", 1.0), ("policy", 1.5)):
         model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -150,8 +149,8 @@ class ShardChecked(Dpo):
         super().__init__()
         self.sharded: list[bool] = []
 
-    def __call__(self, model, microbatch, ctx):
-        loss = super().__call__(model, microbatch, ctx)
+    def __call__(self, model, microbatch, index):
+        loss = super().__call__(model, microbatch, index)
         self.sharded.append(
             all(
                 isinstance(p, DTensor) and all(pl.is_shard() for pl in p.placements)
@@ -198,10 +197,39 @@ def test_two_processes_of_two_microbatches_give_one_process_losses(tmp_path):
     batch = trainer.batches.next_batch()
     with torch.no_grad():
         trainer.model.norm.weight.mul_(1.5)  # away from the reference
-        sums = [plugin(trainer.model, m, step_context(trainer.model)) for m in batch]
+        sums = [plugin(trainer.model, m, i) for i, m in enumerate(batch)]
     units = [int(plugin.units(m)) for m in batch]
     assert len(set(units)) > 1, units
     pair_mean = sum(sums) / sum(units)
     per_microbatch = sum(s / n for s, n in zip(sums, units, strict=True)) / len(units)
     assert abs(pair_mean - per_microbatch) > 1e-4
     trainer.close()
+
+
+def test_validation_on_held_out_pairs_logs_their_dpo_loss_and_metrics(tmp_path):
+    held_out = str(SAMPLE / "preference_validation.jsonl")
+    validation = ("--validation.interval", "2", "--validation.steps", "2",
+                  "--data.validation_path", held_out)  # fmt: skip
+    trainer = make_trainer(tmp_path, *RUN, *validation, steps=2)
+    trainer.run()
+    (record,) = [r for r in read_metrics(tmp_path) if "validation_loss" in r]
+    assert "validation_bpb" not in record
+    assert {f"dpo/{m}" for m in METRICS} <= set(record)
+    # The mean over the pairs of the validation batches, as the plugin computes each batch's.
+    plugin, data = trainer.host.get(NAME), trainer.validation
+    with torch.no_grad():
+        sums = [
+            (plugin(trainer.model, b, i), plugin.units(b)) for i, b in enumerate(data.batches())
+        ]
+    expected = sum(s for s, _ in sums) / sum(n for _, n in sums)
+    assert math.isclose(record["validation_loss"], expected.item(), rel_tol=1e-6)
+    assert record["validation_loss"] != pytest.approx(math.log(2), abs=1e-4)  # trained
+    trainer.close()
+
+
+def test_text_validation_data_in_a_dpo_run_is_refused_before_step_one(tmp_path):
+    validation = ("--validation.interval", "2", "--data.validation_path",
+                  str(SAMPLE / "validation.jsonl"))  # fmt: skip
+    # A DataError: a ValueError, as the plugin API does not export it.
+    with pytest.raises(ValueError, match="is text data but the training data is preference: "):
+        make_trainer(tmp_path, *RUN, *validation)

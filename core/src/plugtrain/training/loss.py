@@ -177,4 +177,4 @@ class PluginLoss(RunLoss):
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """No logits, the plugin's loss of ``microbatch`` (its sum over its units), no lse."""
         assert self.ctx is not None, "the step runner sets ctx"
-        return None, self.answer(model, microbatch, self.ctx), None
+        return None, self.answer(model, microbatch, self.ctx.microbatch), None

@@ -64,8 +64,7 @@ def open_training_data(config: JobConfig, dims: ParallelDims, control: RunContro
     if config.validation.interval:
         path, key = config.data.validation_path, "data.validation_path"
         store = _store(config, dims, path, key)
-        if dims.is_main:
-            _check_validation_kind(store, kinds, path)
+        _check_validation_kind(store, kinds, path, dims.is_main)
         validation = _packed(config, store, path, key)
         # Now rather than at the first validation, which may come many steps later.
         count_eval_batches(
@@ -133,14 +132,25 @@ def _kind(store: TokenStore) -> str:
     return "preference" if store.chat.get("preference") else "chat"
 
 
-def _check_validation_kind(store: TokenStore, train_kinds: set[str], path: str) -> None:
-    """Warn in one line when the validation data is of another kind than all the training
-    data: its loss then tracks a task the run does not train on (a chat run validating on
-    the default Shakespeare text saw it rise while the training loss fell)."""
+def _check_validation_kind(
+    store: TokenStore, train_kinds: set[str], path: str, is_main: bool
+) -> None:
+    """Warn in one line (on the main rank) when the validation data is of another kind than
+    all the training data: its loss then tracks a task the run does not train on (a chat run
+    validating on the default Shakespeare text saw it rise while the training loss fell).
+    Preference pairs on one side only are an error: their loss is not the other's."""
     kind = _kind(store)
     if kind in train_kinds:
         return  # the same kind, or training on both
     (trained,) = train_kinds
+    if "preference" in (kind, trained):
+        raise DataError(
+            f"data.validation_path '{path}' is {kind} data but the training data is {trained}: "
+            f"set data.validation_path to {trained} data (the sample's: "
+            f"{SAMPLE_VALIDATION[trained]}), or validation.interval 0"
+        )
+    if not is_main:
+        return
     logger.warning(
         "data.validation_path '%s' is %s data but the training data is %s: its loss is not "
         "the trained task's and may rise while the training loss falls; set "

@@ -295,7 +295,7 @@ class Trainer:
         """The model's work in each step: forward, loss (or a plugin's), loss terms, backward."""
         self.validation: Validation | None = None
         if self.val_data is not None:
-            args = self.model, self.val_data, self.loss, self.tokenizer, self.host, dims
+            args = self.model, self.val_data, self.runner.loss, self.tokenizer, self.host, dims
             self.validation = Validation(self.config, *args)
         if self.param_dtype == torch.float16 and ctx.loss_scaler is None and dims.is_main:
             warnings.warn(

@@ -10,17 +10,18 @@ the loss of the same text is the same.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
 from plugtrain.config import JobConfig
-from plugtrain.data import IGNORE_INDEX, PackedDataset, Tokenizer, iter_eval_batches
+from plugtrain.data import IGNORE_INDEX, MicroBatch, PackedDataset, Tokenizer, iter_eval_batches
 from plugtrain.distributed import ParallelDims, all_reduce_mean
 from plugtrain.host import PluginHost
 from plugtrain.model import reshard
 from plugtrain.observability import to_number
 from plugtrain.plugin import ValidationContext
-from plugtrain.training.loss import RunLoss
+from plugtrain.training.loss import PluginLoss, RunLoss
 
 
 class Validation:
@@ -41,6 +42,8 @@ class Validation:
         self.host, self.dims = host, dims
         self.token_bytes = torch.tensor(tokenizer.token_byte_lengths(), device=dims.device)
         """The UTF-8 bytes each token id stands for, for ``validation_bpb``."""
+        self.answered = self.plugin_loss if isinstance(loss, PluginLoss) else None
+        """The pass's loss when a plugin answers the run's (``build_loss``), else None."""
 
     def __call__(self, step: int) -> dict[str, float | str]:
         """The validation losses after ``step``: ``validation_loss`` and ``validation_bpb`` on
@@ -55,7 +58,7 @@ class Validation:
         for weights in [None, *(name for names in offered for name in names)]:
             ctx = ValidationContext(step, weights)
             hook.pre_validation(ctx=ctx)
-            ctx.loss, bpb = self.loss_and_bpb()
+            ctx.loss, bpb = self.loss_and_bpb() if self.answered is None else self.answered()
             # While the pass's weights are in place, whatever order the plugins are in.
             metrics = self.host.results("validation_metrics", ctx=ctx)
             # FSDP2 keeps the root's and last block's parameters unsharded after a forward
@@ -65,7 +68,8 @@ class Validation:
             hook.post_validation(ctx=ctx)
             prefix = "" if weights is None else f"{weights}/"
             losses[f"{prefix}validation_loss"] = ctx.loss
-            losses[f"{prefix}validation_bpb"] = bpb
+            if bpb is not None:
+                losses[f"{prefix}validation_bpb"] = bpb
             for plugin, values in metrics.items():
                 losses.update(
                     {
@@ -74,6 +78,31 @@ class Validation:
                     }
                 )
         return losses
+
+    @torch.no_grad()
+    def plugin_loss(self) -> tuple[float, None]:
+        """The loss a plugin answers (``build_loss``) over ``validation.steps`` batches: the
+        mean over all their units on every rank, as in training; no bits per byte (its loss
+        is not a likelihood of the text)."""
+        assert isinstance(self.loss, PluginLoss)
+        answer, total = self.loss.answer, torch.zeros(2, device=self.dims.device)
+        self.model.eval()
+        for index, microbatch in enumerate(self.batches()):
+            microbatch = microbatch.to(self.dims.device)
+            total += torch.stack([answer(self.model, microbatch, index), answer.units(microbatch)])
+        self.model.train()
+        total = all_reduce_mean(total, self.dims.world_size)
+        return (total[0] / total[1].clamp(min=1)).item(), None
+
+    def batches(self) -> Iterator[MicroBatch]:
+        """This rank's validation batches."""
+        return iter_eval_batches(
+            self.data,
+            batch_size=self.config.training.batch_size,
+            rank=self.dims.dp_rank,
+            world_size=self.dims.dp_size,
+            max_batches=self.config.validation.steps,
+        )
 
     @torch.no_grad()
     def loss_and_bpb(self) -> tuple[float, float]:
@@ -85,13 +114,7 @@ class Validation:
         self.model.eval()
         total = torch.zeros(2, device=device)  # the batches' mean losses, and their count
         scored = torch.zeros(2, dtype=torch.float64, device=device)  # nats, bytes
-        for microbatch in iter_eval_batches(
-            self.data,
-            batch_size=self.config.training.batch_size,
-            rank=self.dims.dp_rank,
-            world_size=self.dims.dp_size,
-            max_batches=self.config.validation.steps,
-        ):
+        for microbatch in self.batches():
             microbatch = microbatch.to(device)
             targets = microbatch.targets
             with self.loss.parallel():

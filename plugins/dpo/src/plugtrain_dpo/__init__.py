@@ -24,10 +24,10 @@ the model is (sharded by FSDP2), its forwards under ``torch.no_grad``, each resh
 ends (FSDP2 would leave the root and the last block gathered after a forward, holding a whole
 embedding and output layer per GPU through the step: torchtune PR #2275).
 
-Metrics, on logging steps, means over the step's pairs: ``dpo/rewards_chosen`` and
-``dpo/rewards_rejected`` (``beta`` times each side's log-ratio to the reference),
-``dpo/margin`` (their difference) and ``dpo/reward_accuracy`` (the share of pairs whose chosen
-reward is the larger).
+Metrics, on logging steps and at validation, means over the step's (the pass's) pairs:
+``dpo/rewards_chosen`` and ``dpo/rewards_rejected`` (``beta`` times each side's log-ratio to
+the reference), ``dpo/margin`` (their difference) and ``dpo/reward_accuracy`` (the share of
+pairs whose chosen reward is the larger).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from plugtrain.plugin import (
     PluginError,
     SetupContext,
     StepContext,
+    ValidationContext,
     check_field,
     data_parallel_group,
     hookimpl,
@@ -171,7 +172,7 @@ class Dpo:
         counts = counted.new_zeros(targets.shape[0], width)
         return pairs_of(counts.scatter_add_(1, documents.long(), counted)).sum()
 
-    def __call__(self, model: nn.Module, microbatch: MicroBatch, ctx: StepContext) -> torch.Tensor:
+    def __call__(self, model: nn.Module, microbatch: MicroBatch, index: int) -> torch.Tensor:
         """The microbatch's DPO losses, summed over its pairs."""
         assert self.reference is not None
         inputs, extra = microbatch.inputs, microbatch.model_inputs()
@@ -192,7 +193,7 @@ class Dpo:
         else:
             eps = self.config.label_smoothing
             losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
-        self._observe(beta * chosen.detach(), beta * rejected.detach(), valid, ctx.microbatch)
+        self._observe(beta * chosen.detach(), beta * rejected.detach(), valid, index)
         return torch.where(valid, losses, 0.0).sum()
 
     def _observe(
@@ -207,6 +208,15 @@ class Dpo:
 
     @hookimpl
     def step_metrics(self, ctx: StepContext) -> dict[str, torch.Tensor] | None:
+        return self._means()
+
+    @hookimpl
+    def validation_metrics(self, ctx: ValidationContext) -> dict[str, torch.Tensor] | None:
+        return self._means()  # the pass's pairs: validation calls the loss on each batch
+
+    def _means(self) -> dict[str, torch.Tensor] | None:
+        """The metrics of the step or validation pass just computed, means over its pairs on
+        every data-parallel rank."""
         if self.sums is None:
             return None
         sums = self.sums.clone()
