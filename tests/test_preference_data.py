@@ -143,3 +143,13 @@ def test_preference_data_without_a_loss_plugin_is_refused_before_step_one(tmp_pa
             *("--training.seq_len", "256"),
         )
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_pairs_all_too_long_for_the_sequence_are_refused_naming_a_seq_len_that_fits(tmp_path):
+    path = _write(tmp_path / "pairs.jsonl", [GOOD, GOOD])
+    with pytest.raises(DataError) as refused:
+        _prepare(tmp_path, path, 32)
+    assert str(refused.value).endswith(
+        "all 2 conversations or pairs are too long for 32 tokens and were dropped: "
+        "training.seq_len 74 fits all of them"
+    )

@@ -48,7 +48,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import tqdm
 
-from plugtrain.data.chat import ChatEncoder, ChatOptions, ChatTemplate, length_percentiles
+from plugtrain.data.chat import (
+    ChatEncoder,
+    ChatOptions,
+    ChatTemplate,
+    fitting_seq_len,
+    length_percentiles,
+)
 from plugtrain.data.preference import PairPacker, PreferencePair
 from plugtrain.data.sources import check_extras, expand_inputs, is_chat, iter_documents
 from plugtrain.data.store import FORMAT_VERSION, MANIFEST, file_sha256, token_dtype
@@ -415,8 +421,7 @@ def prepare(
             total_bytes = sum(f.stat().st_size for f in files)
             progress_bar = _Progress(total_bytes, progress, progress_every)
             manifest = _write(chunks, partial, tokenizer, layout, progress_bar, encoder)
-            if manifest["num_documents"] == 0:
-                raise DataError(f"inputs {list(inputs)} hold no documents: give non-empty files")
+            _check_not_empty(manifest, inputs)
             manifest.update(
                 inputs_key=key,
                 sources=[_source_record(f, with_hash=True) for f in files],
@@ -437,6 +442,21 @@ def prepare(
             raise
     seconds = time.perf_counter() - begin
     return PrepareResult(out, True, manifest["num_tokens"], seconds, manifest["input_bytes"])
+
+
+def _check_not_empty(manifest: dict[str, Any], inputs: Sequence[str]) -> None:
+    """Refuse a prepared folder of no documents, saying why: empty inputs, or conversations
+    (preference pairs) all too long for a sample and dropped."""
+    if manifest["num_documents"]:
+        return
+    chat = manifest.get("chat") or {}
+    if chat.get("dropped"):
+        raise DataError(
+            f"inputs {list(inputs)}: all {chat['dropped']} conversations or pairs are too long "
+            f"for {chat['max_tokens']} tokens and were dropped"
+            f"{fitting_seq_len(chat) or ': raise training.seq_len'}"
+        )
+    raise DataError(f"inputs {list(inputs)} hold no documents: give non-empty files")
 
 
 def chat_encoder(
