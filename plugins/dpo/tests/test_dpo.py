@@ -233,3 +233,21 @@ def test_text_validation_data_in_a_dpo_run_is_refused_before_step_one(tmp_path):
     # A DataError: a ValueError, as the plugin API does not export it.
     with pytest.raises(ValueError, match="is text data but the training data is preference: "):
         make_trainer(tmp_path, *RUN, *validation)
+
+
+@pytest.mark.slow  # the debug model at seq_len 256: seconds
+def test_the_shipped_config_trains_and_validates_on_the_sample_pairs(tmp_path):
+    """configs/dpo_debug.toml as docs/fine-tuning.md runs it, for 2 steps from a fresh start
+    (the recipe starts from the chat run's outputs/chat); the test kit's tiny-run arguments
+    are set back to the config's."""
+    trainer = make_trainer(
+        tmp_path, "--config", "dpo_debug",
+        *("--data.train_path", "sample:preference_train.jsonl", "--model.flavor", "debug"),
+        *("--checkpoint.initial_load_path", "", "--validation.interval", "2"),
+        *("--validation.steps", "1", "--training.batch_size", "8", "--training.seq_len", "256"),
+        steps=2,
+    )  # fmt: skip
+    trainer.run()
+    records = read_metrics(tmp_path)
+    assert abs(records[0]["loss"] - math.log(2)) < 1e-6
+    assert "dpo/reward_accuracy" in next(r for r in records if "validation_loss" in r)
