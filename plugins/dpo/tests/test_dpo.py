@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from plugtrain.plugin import IGNORE_INDEX, ConfigError, PluginError, full_tensor
 from plugtrain.testing import (
     SAMPLE,
+    interrupted_and_resumed,
     make_trainer,
     read_metrics,
     run_distributed,
@@ -251,3 +252,20 @@ def test_the_shipped_config_trains_and_validates_on_the_sample_pairs(tmp_path):
     records = read_metrics(tmp_path)
     assert abs(records[0]["loss"] - math.log(2)) < 1e-6
     assert "dpo/reward_accuracy" in next(r for r in records if "validation_loss" in r)
+
+
+@pytest.mark.slow  # three runs: seconds
+def test_a_resumed_run_continues_bitwise_with_the_reference_of_its_start(tmp_path):
+    """From an initial load (which a resume skips: the model at setup is then the seeded
+    init), the stopped and resumed run trains as the straight one: the reference is the
+    loaded start's, saved with the checkpoint."""
+    base = make_trainer(tmp_path / "base", "--checkpoint.save_final", "true", steps=2)
+    base.run()
+    start = ("--checkpoint.initial_load_path", str(tmp_path / "base"))
+    result = interrupted_and_resumed(
+        tmp_path / "dpo", *RUN, *start, steps=4, stop_after=2, plugins=lambda: [(NAME, Dpo())]
+    )
+    assert result["step_at_resume"] == 2
+    straight = [r["loss"] for r in result["straight_metrics"] if "loss" in r]
+    resumed = [r["loss"] for r in result["resumed_metrics"] if "loss" in r]
+    assert resumed == straight and result["resumed"] == result["straight"]

@@ -22,7 +22,9 @@ At step 1 the policy is the reference, ``h = 0`` and the sigmoid loss is ``ln 2`
 The reference (``reference = "copy"``) is built by ``SetupContext.frozen_copy``: laid out as
 the model is (sharded by FSDP2), its forwards under ``torch.no_grad``, each resharded as it
 ends (FSDP2 would leave the root and the last block gathered after a forward, holding a whole
-embedding and output layer per GPU through the step: torchtune PR #2275).
+embedding and output layer per GPU through the step: torchtune PR #2275). It is saved with
+each checkpoint (the plugin's state: as many bytes as the weights), since a resumed run skips
+the initial load that gave the run its start.
 
 Metrics, on logging steps and at validation, means over the step's (the pass's) pairs:
 ``dpo/rewards_chosen`` and ``dpo/rewards_rejected`` (``beta`` times each side's log-ratio to
@@ -162,6 +164,20 @@ class Dpo:
     @hookimpl
     def build_loss(self, ctx: SetupContext) -> Dpo:
         return self
+
+    @hookimpl
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        # The reference's weights, saved with each checkpoint: a resume skips the initial load,
+        # so the copy setup takes then is of the seeded init, not of the run's start.
+        assert self.reference is not None
+        return {"reference": dict(self.reference.named_parameters())}
+
+    @hookimpl
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, dict[str, torch.Tensor]]) -> None:
+        assert self.reference is not None
+        for name, param in self.reference.named_parameters():
+            param.copy_(state_dict["reference"][name])
 
     def units(self, microbatch: MicroBatch) -> torch.Tensor:
         """The microbatch's pairs."""
