@@ -96,6 +96,12 @@ class DpoConfig:
             "'adapters_off' needs the lora plugin, not yet supported: use 'copy'",
         )
         check_field(
+            self.reference != "precomputed",
+            "reference",
+            "'precomputed' (reference log-probs stored beside the data) is not yet supported: "
+            "use 'copy'",
+        )
+        check_field(
             self.reference in REFERENCES,
             "reference",
             f"must be one of {REFERENCES}, got {self.reference!r}",
@@ -158,6 +164,7 @@ class Dpo:
                 "completions' tokens): leave both at their defaults"
             )
         self.reference = ctx.frozen_copy()
+        ctx.show_on_console(self, "reward_accuracy", "margin")
         dims = ctx.parallel_dims
         self.group = data_parallel_group(dims) if dims.dp_size > 1 else None
 
