@@ -264,8 +264,8 @@ def build_loss(ctx: SetupContext) -> StepLoss | None:
     the trainer calls ``units(microbatch)`` for each of the step's microbatches (what the loss
     is a mean over: a preference pair, a sequence; a 0-d tensor on the device), sums them over
     the microbatches and all-reduces the sum over the data-parallel ranks, on the device, once
-    per step. Then, once per microbatch, ``answer(model, microbatch, ctx)`` runs the forward
-    itself and returns the microbatch's loss **summed** over its units (0-d, in the autograd
+    per step. Then, once per microbatch, ``answer(model, microbatch, index)`` runs the
+    forward itself and returns the microbatch's loss **summed** over its units (0-d, in the autograd
     graph); the trainer multiplies it by ``D / N`` (``N`` the step's units, ``D`` the
     data-parallel ranks, whose gradients FSDP2 averages) and backpropagates it through
     ``pre_backward``. Summed over the microbatches and averaged over the ranks, the step's
