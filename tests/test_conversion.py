@@ -525,6 +525,16 @@ def test_one_line_refusals(tmp_path):
     with refused as e, conversion.tensor_parallel(model, None):  # type: ignore[arg-type]
         pass
     assert "\n" not in str(e.value)
+    # Additions switch off only when every plugin that added parameters can switch them.
+    assert conversion.switched_off() is None
+    flips: list[tuple[str, bool]] = []
+    conversion.set_switch("q", lambda on: flips.append(("q", on)))
+    with pytest.raises(PluginError, match=r"plugin 'p' adds 'norm\.x' but cannot switch it off"):
+        conversion.switched_off()
+    conversion.set_switch("p", lambda on: flips.append(("p", on)))
+    with conversion.switched_off():  # type: ignore[union-attr]
+        assert flips == [("q", False), ("p", False)]
+    assert flips[2:] == [("q", True), ("p", True)]
     # One adapter writer per run.
     conversion.set_adapter("p", print)
     with pytest.raises(PluginError, match="plugins 'p' and 'q' both write the run's adapter"):

@@ -180,9 +180,12 @@ def convert_model(ctx: ConvertContext) -> None:
     exported to Hugging Face (merged into a base weight, or dropped); freeze base parameters
     with ``ctx.freeze(self, *names)`` (``saved=False``: a run with an initial load leaves them
     out of its checkpoints and re-reads them from it, checked by hash); set the writer of
-    ``export-hf --adapter`` with ``ctx.set_adapter(self, writer)``. All are refused outside
-    this hook. Never rename,
-    replace or remove a parameter or module; wrap the forwards that use what was added with
+    ``export-hf --adapter`` with ``ctx.set_adapter(self, writer)``; let what was added be
+    switched off with ``ctx.set_switch(self, switch)`` (``switch(False)``: the model computes
+    as if nothing was added, changing no parameter; ``switch(True)`` undoes it), which
+    :func:`plugtrain.plugin.additions_off` flips for another plugin (dpo's ``adapters_off``
+    reference: the base model, no second copy). All are refused outside this hook. Never
+    rename, replace or remove a parameter or module; wrap the forwards that use what was added with
     :func:`plugtrain.plugin.wrap_forward`. Implementations must commute: two plugins may add
     parameters side by side, but not to each other's.
     """

@@ -7,6 +7,7 @@ hooks themselves, with when each fires and what it may change, are declared and 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,9 +31,11 @@ from plugtrain.model import (
     MergeInto,
     ShardLike,
     Storage,
+    Switch,
     TensorParallelStyle,
     TextTokenizer,
     complete,
+    conversion_of,
     logsumexp,
     whole_logits,
 )
@@ -71,9 +74,11 @@ __all__ = [
     "StepContext",
     "StepLoss",
     "Storage",
+    "Switch",
     "Task",
     "TextTokenizer",
     "ValidationContext",
+    "additions_off",
     "check_field",
     "complete",
     "data_parallel_group",
@@ -171,6 +176,15 @@ class ConvertContext:
         run; a run where none sets one refuses ``--adapter`` in one line."""
         self.conversion.set_adapter(self.name_of(plugin), writer)
 
+    def set_switch(self, plugin: object, switch: Switch) -> None:
+        """Let ``switch`` turn what ``plugin`` added off: ``switch(False)`` makes the model
+        compute as if the plugin had added nothing (lora: each adapted projection skips its
+        adapter), ``switch(True)`` undoes it. It must change no parameter and allocate
+        nothing, and hold under FSDP2 and the other model hooks (a flag the forwards read).
+        :func:`additions_off` flips every plugin's switch: the base model without a second
+        copy (dpo's ``reference = "adapters_off"``)."""
+        self.conversion.set_switch(self.name_of(plugin), switch)
+
     def freeze(
         self, plugin: object, *names: str, saved: bool = True, storage: Storage | None = None
     ) -> None:
@@ -235,6 +249,16 @@ class ModelContext:
         the second to declare itself is refused, naming both.
         """
         self.compiler = _sole_holder(self.compiler, self.name_of(plugin), "compile the model")
+
+
+def additions_off(model: nn.Module) -> contextlib.AbstractContextManager[None] | None:
+    """A reusable context in which the run's ``model`` computes as the base model: every
+    plugin that added parameters in ``convert_model`` has them switched off (its
+    :meth:`ConvertContext.set_switch`), on again on exit. None when no plugin of the run
+    registered a switch, for the caller to refuse in its own words; a plugin that added
+    parameters without a switch is refused in one line. Nothing is copied or allocated: use it
+    around a no-grad forward of the policy as its own reference."""
+    return conversion_of(model).switched_off()
 
 
 def wrap_forward(module: nn.Module, wrapper: Callable[[Callable[..., Any]], Any]) -> None:

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from plugtrain.model.conversion import MergeInto as MergeInto
     from plugtrain.model.conversion import ShardLike as ShardLike
     from plugtrain.model.conversion import Storage as Storage
+    from plugtrain.model.conversion import Switch as Switch
     from plugtrain.model.conversion import TensorParallelStyle as TensorParallelStyle
     from plugtrain.model.conversion import conversion_of as conversion_of
     from plugtrain.model.decoding import TextTokenizer as TextTokenizer

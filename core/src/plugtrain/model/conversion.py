@@ -16,6 +16,9 @@ of the core that handles parameters by name consults it, with no other knowledge
   tensor is merged into a base weight or dropped, so the folder is a plain Llama one; or,
   with ``--adapter``, the plugin that set an adapter writer (:meth:`Conversion.set_adapter`)
   writes the added tensors alone, in its own format;
+* a plugin that can switch what it added off registers how (:meth:`Conversion.set_switch`):
+  :meth:`Conversion.switched_off` then runs the model as the base model (dpo's
+  ``adapters_off`` reference), with no second model;
 * a frozen parameter may be held in another form than float32 (a :class:`Storage`: QLoRA's
   NF4): it takes that form on the meta device before FSDP2 shards it
   (:meth:`Conversion.store_meta`), and its weights, initialised or loaded, are converted
@@ -54,6 +57,7 @@ __all__ = [
     "MergeInto",
     "ShardLike",
     "Storage",
+    "Switch",
     "TensorParallelStyle",
     "conversion_of",
 ]
@@ -141,6 +145,10 @@ class Storage:
 AdapterWriter = Callable[[AdapterExport], None]
 """A plugin's writer of its adapter folder, for ``plugtrain export-hf --adapter``."""
 
+Switch = Callable[[bool], None]
+"""A plugin's switch of what it added: ``switch(False)`` makes the model compute as if the
+plugin had added nothing, ``switch(True)`` undoes it."""
+
 TensorParallelStyle = Literal["replicate"] | ShardLike | None
 """How an added parameter is placed under tensor parallelism; None refuses ``parallelism.tp``
 above 1."""
@@ -174,6 +182,8 @@ class Conversion:
     """Frozen parameters held in another form than float32, by name (all of them unsaved)."""
     adapter: tuple[str, AdapterWriter] | None = None
     """The plugin that writes the added parameters as an adapter folder, and its writer."""
+    switches: dict[str, Switch] = field(default_factory=dict)
+    """Each plugin that can switch what it added off, with its switch."""
     open: bool = False
     """Whether ``convert_model`` is firing: additions and freezes are refused otherwise."""
 
@@ -284,6 +294,26 @@ class Conversion:
                 "enable one of them"
             )
         self.adapter = (plugin, writer)
+
+    def set_switch(self, plugin: str, switch: Switch) -> None:
+        """Let ``switch`` turn what ``plugin`` added off and on again (:meth:`switched_off`)."""
+        self._check_open(plugin, "set_switch")
+        self.switches[plugin] = switch
+
+    def switched_off(self) -> contextlib.AbstractContextManager[None] | None:
+        """A reusable context in which the model computes as the base model, every plugin's
+        additions switched off, then on again; None when no plugin registered a switch. A
+        plugin that added parameters and registered no switch is refused in one line: the
+        model would not be the base model."""
+        if not self.switches:
+            return None
+        for added in self.added.values():
+            if added.plugin not in self.switches:
+                raise PluginError(
+                    f"plugin '{added.plugin}' adds '{added.name}' but cannot switch it off "
+                    "(ctx.set_switch in convert_model): disable it, or give it a switch"
+                )
+        return _SwitchedOff(tuple(self.switches.values()))
 
     def init_plan(self, model: nn.Module) -> list[tuple[nn.Parameter, Fill]]:
         """(parameter, fill) of every added parameter, in the order of their names: after the
@@ -416,6 +446,21 @@ def _pop_parameter(model: nn.Module, name: str) -> nn.Parameter:
     param = module._parameters.pop(short)
     assert param is not None
     return param
+
+
+class _SwitchedOff(contextlib.AbstractContextManager[None]):
+    """Every switch off on entry, on again on exit (even on an exception)."""
+
+    def __init__(self, switches: tuple[Switch, ...]) -> None:
+        self.switches = switches
+
+    def __enter__(self) -> None:
+        for switch in self.switches:
+            switch(False)
+
+    def __exit__(self, *exc: object) -> None:
+        for switch in self.switches:
+            switch(True)
 
 
 def conversion_of(model: nn.Module) -> Conversion:
