@@ -9,7 +9,7 @@ import pytest
 import torch
 from plugtrain_lora import TARGETS, Lora, LoraLinear
 
-from plugtrain.plugin import ConfigError, ParallelDims, PluginError
+from plugtrain.plugin import ConfigError, ParallelDims, PluginError, additions_off
 from plugtrain.testing import convert_context, make_trainer, setup_context
 
 ENABLED = ("--plugins.enabled", "lora")
@@ -67,6 +67,25 @@ def test_the_first_step_sees_the_base_model_bit_for_bit(tmp_path):
     tokens = torch.randint(0, lora.model_args.vocab_size, (2, 16), generator=torch.Generator())
     with torch.no_grad():
         assert torch.equal(lora.model(tokens), plain.model(tokens))
+
+
+def test_the_adapters_switched_off_give_the_base_model_bit_for_bit(tmp_path):
+    plain = make_trainer(tmp_path / "plain")
+    lora = make_trainer(tmp_path / "lora", *ENABLED, *RANK, steps=2)
+    lora.run()  # B moves off zero: the adapted model is no longer the base
+    before = named(lora.model)
+    tokens = torch.randint(0, lora.model_args.vocab_size, (2, 16), generator=torch.Generator())
+    off = additions_off(lora.model)
+    assert off is not None and additions_off(plain.model) is None
+    with torch.no_grad():
+        adapted, base = lora.model(tokens), plain.model(tokens)
+        assert not torch.equal(adapted, base)
+        for _ in range(2):  # reusable, and on again on exit
+            with off:
+                assert torch.equal(lora.model(tokens), base)
+            assert torch.equal(lora.model(tokens), adapted)
+    after = named(lora.model)
+    assert all(torch.equal(after[n], t) for n, t in before.items())
 
 
 def test_only_the_adapters_train_and_the_optimizer_holds_only_them(tmp_path):

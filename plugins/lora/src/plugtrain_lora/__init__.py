@@ -14,6 +14,12 @@ shares with it (A the input columns, B the output rows). ``plugtrain export-hf``
 ``W + alpha / rank * B @ A`` into each base weight (full tensors, read from the checkpoint);
 with ``--adapter`` it writes the adapters alone as a Hugging Face peft folder.
 
+The adapters can be switched off (``ConvertContext.set_switch``): each adapted projection then
+skips its adapter branch and computes the base product alone, so that
+``plugtrain.plugin.additions_off`` runs the policy as the frozen base model (dpo's
+``reference = "adapters_off"``), with no second model, no parameter changed and nothing
+allocated.
+
 QLoRA: with ``base_dtype = "nf4"`` the target weights are held in torchao's NF4 (``qlora``),
 about half a byte a value; the merge then adds the adapters to the weight as the run computed
 with it, read back from NF4.
@@ -38,6 +44,7 @@ from plugtrain.plugin import (
     MergeInto,
     PluginError,
     ShardLike,
+    Switch,
     check_field,
     hookimpl,
 )
@@ -114,9 +121,13 @@ class LoraLinear(nn.Linear):
     lora_b: nn.Parameter
     lora_scale: float
     lora_dropout: float
+    lora_enabled: bool
+    """False while the adapters are switched off (:func:`switch`): the base product alone."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
+        if not self.lora_enabled:
+            return base
         h = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         return base + F.linear(F.linear(h, self.lora_a), self.lora_b) * self.lora_scale
 
@@ -162,6 +173,19 @@ def add_adapter(plugin: object, ctx: ConvertContext, module: str, config: LoraCo
     linear.__class__ = LoraLinear
     linear.lora_scale = config.scale
     linear.lora_dropout = config.dropout
+    linear.lora_enabled = True
+
+
+def switch(linears: list[nn.Module]) -> Switch:
+    """The switch of the adapters of ``linears`` (``ConvertContext.set_switch``): a flag each
+    forward reads, so FSDP2's hooks and the parameters are untouched (a compiled block
+    recompiles once for the other value, then keeps both)."""
+
+    def flip(enabled: bool) -> None:
+        for linear in linears:
+            linear.lora_enabled = enabled
+
+    return flip
 
 
 PEFT_PREFIX = "base_model.model."
@@ -242,3 +266,4 @@ class Lora:
         if nf4:
             ctx.freeze(self, *nf4, storage=NF4)
         ctx.set_adapter(self, peft_writer(config, list(linears)))
+        ctx.set_switch(self, switch(list(linears.values())))
