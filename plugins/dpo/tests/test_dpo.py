@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from plugtrain_dpo import METRICS, Dpo
 from torch.distributed.tensor import DTensor
 
-from plugtrain.plugin import IGNORE_INDEX, ConfigError, PluginError, full_tensor
+from plugtrain.plugin import IGNORE_INDEX, ConfigError, PluginError, SetupContext, full_tensor
 from plugtrain.testing import (
     SAMPLE,
     interrupted_and_resumed,
@@ -33,7 +33,6 @@ RUN = (*ENABLED, *PAIRS, "--training.batch_size", "4")
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--dpo.reference", "adapters_off"), "'adapters_off' needs the lora plugin, not yet"),
         (("--dpo.reference", "precomputed"), "'precomputed' .* is not yet supported: use 'copy'"),
         (("--dpo.loss_type", "kto"), r"must be one of \('sigmoid', 'ipo'\), got 'kto'"),
         (("--dpo.beta", "0"), "must be finite and > 0, got 0"),
@@ -49,6 +48,13 @@ def test_text_data_to_a_dpo_run_is_refused_before_step_one(tmp_path):
     with pytest.raises(PluginError, match="plugin 'dpo' trains on preference pairs, but the "):
         make_trainer(tmp_path, *ENABLED)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_adapters_off_without_lora_is_refused_before_step_one(tmp_path):
+    refused = "dpo.reference = 'adapters_off' needs a plugin that adds adapters, e.g. lora: "
+    with pytest.raises(PluginError, match=refused) as e:
+        make_trainer(tmp_path, *RUN, "--dpo.reference", "adapters_off")
+    assert "\n" not in str(e.value) and not (tmp_path / "metrics.jsonl").exists()
 
 
 def losses(folder: Path) -> list[float]:
@@ -71,6 +77,36 @@ def test_step_one_is_ln2_and_the_reference_stays_as_it_was(tmp_path):
     assert all(p.grad is None for p in after)
     moved = trainer.model.parameters()
     assert not any(torch.equal(p, b) for p, b in zip(moved, before, strict=True))
+
+
+LORA = ("--plugins.enabled", "lora,dpo", "--lora.rank", "4")
+
+
+def _no_frozen_copy(self: SetupContext) -> None:
+    raise AssertionError("adapters_off built a frozen copy")
+
+
+def test_adapters_off_is_the_copy_with_no_second_model(tmp_path, monkeypatch):
+    """With lora, the policy with its adapters off is the frozen base: the losses of 2 steps
+    are the copy reference's, step 1's ln 2, and no copy is built or saved."""
+    copy = make_trainer(tmp_path / "copy", *RUN, *LORA, steps=2)
+    copy.run()
+    copy.close()
+
+    monkeypatch.setattr(SetupContext, "frozen_copy", _no_frozen_copy)
+    plugin = Dpo()
+    off = make_trainer(
+        tmp_path / "off", *RUN, *LORA, "--dpo.reference", "adapters_off", steps=2,
+        plugins=[(NAME, plugin)],
+    )  # fmt: skip
+    off.run()
+    assert plugin.reference is None and plugin.state_dict() is None
+    mine, theirs = losses(tmp_path / "off"), losses(tmp_path / "copy")
+    assert len(mine) == 2 and abs(mine[0] - math.log(2)) < 1e-6
+    assert all(abs(a - b) < 1e-6 for a, b in zip(mine, theirs, strict=True)), (mine, theirs)
+    # Step 2's policy has moved off the reference (the adapters on would give ln 2 again).
+    assert abs(mine[1] - math.log(2)) > 1e-4
+    off.close()
 
 
 def test_the_loss_falls_and_the_chosen_reward_rises_on_a_batch_trained_again(tmp_path):
@@ -206,6 +242,33 @@ def test_two_processes_of_two_microbatches_give_one_process_losses(tmp_path):
     per_microbatch = sum(s / n for s, n in zip(sums, units, strict=True)) / len(units)
     assert abs(pair_mean - per_microbatch) > 1e-4
     trainer.close()
+
+
+def _lora_references(folder: str) -> dict[str, list[float]]:
+    """Train 4 fp32 steps of 2 microbatches with lora, against each reference; the losses.
+    adapters_off must build no copy: SetupContext.frozen_copy refuses here."""
+    got = {}
+    for reference in ("copy", "adapters_off"):
+        args = (*RUN, *LORA, "--dpo.reference", reference, "--training.grad_accum_steps", "2")
+        with pytest.MonkeyPatch.context() as patch:
+            if reference == "adapters_off":
+                patch.setattr(SetupContext, "frozen_copy", _no_frozen_copy)
+            trainer = make_trainer(Path(folder) / reference, *args, steps=4)
+            trainer.run()
+        trainer.close()
+        got[reference] = losses(Path(folder) / reference)
+    return got
+
+
+@pytest.mark.slow  # two spawned processes
+def test_adapters_off_gives_the_copys_losses_under_fsdp2(tmp_path):
+    """2 ranks x 2 microbatches with lora: the policy with its adapters off under FSDP2 (no
+    second model) gives the sharded copy's losses within 1e-6, step 1's ln 2."""
+    for rank in run_distributed(_lora_references, 2, str(tmp_path)):
+        copy, off = rank["copy"], rank["adapters_off"]
+        assert len(off) == 4 and abs(off[0] - math.log(2)) < 1e-6
+        assert abs(off[-1] - math.log(2)) > 1e-4  # the adapters moved the policy
+        assert all(abs(a - b) < 1e-6 for a, b in zip(off, copy, strict=True)), (off, copy)
 
 
 def test_validation_on_held_out_pairs_logs_their_dpo_loss_and_metrics(tmp_path):

@@ -3,11 +3,12 @@
 The run trains on preference data (``plugtrain.data.preference``): each sample holds whole
 pairs, a chosen side as an even document and its rejected side as the next, each masked on its
 completion. The plugin answers the step's loss (the ``build_loss`` hook): for each microbatch
-it runs the policy (the model) and the reference (a frozen copy of the starting weights) on
-the same rows, sums each side's log-probabilities over its completion tokens and returns the
-pairs' DPO losses summed; the trainer divides by the step's count of pairs over every
-microbatch and data-parallel rank, so the step's loss is the mean over all its pairs whatever
-the split (not a mean of per-microbatch means: ms-swift PR #10144).
+it runs the policy (the model) and the reference (a frozen copy of the starting weights, or
+with lora the policy with its adapters off) on the same rows, sums each side's
+log-probabilities over its completion tokens and returns the pairs' DPO losses summed; the
+trainer divides by the step's count of pairs over every microbatch and data-parallel rank, so
+the step's loss is the mean over all its pairs whatever the split (not a mean of
+per-microbatch means: ms-swift PR #10144).
 
 With ``h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r))``:
 
@@ -26,6 +27,11 @@ embedding and output layer per GPU through the step: torchtune PR #2275). It is 
 each checkpoint (the plugin's state: as many bytes as the weights), since a resumed run skips
 the initial load that gave the run its start.
 
+With the ``lora`` plugin, ``reference = "adapters_off"`` makes the policy its own reference:
+its forward runs with the adapters switched off (``plugtrain.plugin.additions_off``), which is
+the frozen base model, so no second model is built or saved. As B starts at zero, it gives
+what ``copy`` gives.
+
 Metrics, on logging steps and at validation, means over the step's (the pass's) pairs:
 ``dpo/rewards_chosen`` and ``dpo/rewards_rejected`` (``beta`` times each side's log-ratio to
 the reference), ``dpo/margin`` (their difference) and ``dpo/reward_accuracy`` (the share of
@@ -35,6 +41,7 @@ pairs whose chosen reward is the larger).
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +56,7 @@ from plugtrain.plugin import (
     SetupContext,
     StepContext,
     ValidationContext,
+    additions_off,
     check_field,
     data_parallel_group,
     hookimpl,
@@ -56,7 +64,7 @@ from plugtrain.plugin import (
 )
 
 LOSS_TYPES = ("sigmoid", "ipo")
-REFERENCES = ("copy",)
+REFERENCES = ("copy", "adapters_off")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "margin")
 
 
@@ -71,7 +79,8 @@ class DpoConfig:
     label_smoothing: float = 0.0
     """The assumed share of pairs whose preference is flipped (cDPO), with ``sigmoid``."""
     reference: str = "copy"
-    """``copy``: a frozen, sharded copy of the starting weights."""
+    """``copy``: a frozen, sharded copy of the starting weights; ``adapters_off`` (with
+    ``lora``): the policy itself with its adapters switched off, no second model."""
 
     def __post_init__(self) -> None:
         check_field(0 < self.beta < math.inf, "beta", f"must be finite and > 0, got {self.beta}")
@@ -89,11 +98,6 @@ class DpoConfig:
             self.label_smoothing == 0 or self.loss_type == "sigmoid",
             "label_smoothing",
             f"applies to loss_type 'sigmoid' only, not {self.loss_type!r}: set it to 0",
-        )
-        check_field(
-            self.reference != "adapters_off",
-            "reference",
-            "'adapters_off' needs the lora plugin, not yet supported: use 'copy'",
         )
         check_field(
             self.reference != "precomputed",
@@ -139,6 +143,9 @@ class Dpo:
     def __init__(self) -> None:
         self.config = DpoConfig()
         self.reference: nn.Module | None = None
+        """The frozen copy (``copy``); None with ``adapters_off``."""
+        self.adapters_off: AbstractContextManager[None] | None = None
+        """Where the policy computes as the base model (``adapters_off``)."""
         self.group: dist.ProcessGroup | None = None
         self.sums: torch.Tensor | None = None
         """The step's metric sums on this rank so far, then its pair count (see METRICS)."""
@@ -163,7 +170,15 @@ class Dpo:
                 'and must not see each other) and data.chat_loss = "assistant" (the '
                 "completions' tokens): leave both at their defaults"
             )
-        self.reference = ctx.frozen_copy()
+        if self.config.reference == "adapters_off":
+            self.adapters_off = additions_off(ctx.model)
+            if self.adapters_off is None:
+                raise PluginError(
+                    "dpo.reference = 'adapters_off' needs a plugin that adds adapters, e.g. "
+                    "lora: enable it (plugins.enabled), or set dpo.reference = 'copy'"
+                )
+        else:
+            self.reference = ctx.frozen_copy()
         ctx.show_on_console(self, "reward_accuracy", "margin")
         dims = ctx.parallel_dims
         self.group = data_parallel_group(dims) if dims.dp_size > 1 else None
@@ -173,10 +188,13 @@ class Dpo:
         return self
 
     @hookimpl
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
         # The reference's weights, saved with each checkpoint: a resume skips the initial load,
-        # so the copy setup takes then is of the seeded init, not of the run's start.
-        assert self.reference is not None
+        # so the copy setup takes then is of the seeded init, not of the run's start. The
+        # adapters_off reference is the frozen base, which the checkpoint (or its initial
+        # load) already holds.
+        if self.reference is None:
+            return None
         return {"reference": dict(self.reference.named_parameters())}
 
     @hookimpl
@@ -197,11 +215,16 @@ class Dpo:
 
     def __call__(self, model: nn.Module, microbatch: MicroBatch, index: int) -> torch.Tensor:
         """The microbatch's DPO losses, summed over its pairs."""
-        assert self.reference is not None
         inputs, extra = microbatch.inputs, microbatch.model_inputs()
         with torch.no_grad():
-            # Resharded as its forward ends (SetupContext.frozen_copy).
-            ref_sums, counts = side_sums(self.reference(inputs, **extra), microbatch)
+            if self.adapters_off is not None:
+                with self.adapters_off:
+                    ref_logits = model(inputs, **extra)
+            else:
+                assert self.reference is not None
+                # Resharded as its forward ends (SetupContext.frozen_copy).
+                ref_logits = self.reference(inputs, **extra)
+            ref_sums, counts = side_sums(ref_logits, microbatch)
         sums, _ = side_sums(model(inputs, **extra), microbatch)
         valid = pairs_of(counts)
         if self.config.loss_type == "ipo":  # IPO: log-probs averaged over the completion
