@@ -112,23 +112,32 @@ class DpoConfig:
         )
 
 
-def side_sums(logits: torch.Tensor, microbatch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each document's summed log-probability of its counted targets and their number,
-    ``(rows, documents)`` in fp32 with an even number of documents: even columns the chosen
-    sides, odd ones the rejected. A counted target is a completion token, never a document's
-    first, so the input before it is of the same document."""
-    targets, documents = microbatch.targets, microbatch.documents
+def per_document(values: torch.Tensor, microbatch: MicroBatch) -> torch.Tensor:
+    """``values`` (one per target, ``(rows, seq_len)``) summed by document, ``(rows,
+    documents)`` with an even number of documents: even columns the chosen sides, odd ones the
+    rejected."""
+    documents = microbatch.documents
     assert documents is not None, "dpo checks model.attention = 'document' in setup"
-    rows, seq_len = targets.shape
+    rows, seq_len = values.shape
+    width = seq_len + seq_len % 2
+    return values.new_zeros(rows, width).scatter_add_(1, documents.long(), values)
+
+
+def completion_counts(microbatch: MicroBatch) -> torch.Tensor:
+    """Each document's number of counted targets (its completion tokens), as
+    :func:`per_document` lays them out, in fp32."""
+    return per_document((microbatch.targets != IGNORE_INDEX).float(), microbatch)
+
+
+def side_sums(logits: torch.Tensor, microbatch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each document's summed log-probability of its counted targets, and their number
+    (:func:`completion_counts`), in fp32. A counted target is a completion token, never a
+    document's first, so the input before it is of the same document."""
+    targets = microbatch.targets
     logps = -F.cross_entropy(
         logits.flatten(0, 1).float(), targets.flatten(), reduction="none"
-    ).view(rows, seq_len)  # 0 where the target is IGNORE_INDEX
-    counted = (targets != IGNORE_INDEX).float()
-    index = documents.long()
-    width = seq_len + seq_len % 2
-    sums = logps.new_zeros(rows, width).scatter_add_(1, index, logps)
-    counts = counted.new_zeros(rows, width).scatter_add_(1, index, counted)
-    return sums, counts
+    ).view(targets.shape)  # 0 where the target is IGNORE_INDEX
+    return per_document(logps, microbatch), completion_counts(microbatch)
 
 
 def pairs_of(counts: torch.Tensor) -> torch.Tensor:
@@ -206,12 +215,7 @@ class Dpo:
 
     def units(self, microbatch: MicroBatch) -> torch.Tensor:
         """The microbatch's pairs."""
-        targets, documents = microbatch.targets, microbatch.documents
-        assert documents is not None
-        width = targets.shape[1] + targets.shape[1] % 2
-        counted = (targets != IGNORE_INDEX).float()
-        counts = counted.new_zeros(targets.shape[0], width)
-        return pairs_of(counts.scatter_add_(1, documents.long(), counted)).sum()
+        return pairs_of(completion_counts(microbatch)).sum()
 
     def __call__(self, model: nn.Module, microbatch: MicroBatch, index: int) -> torch.Tensor:
         """The microbatch's DPO losses, summed over its pairs."""
