@@ -201,8 +201,11 @@ class ShardChecked(Dpo):
 def _trained(folder: str, accum: int) -> dict:
     """Train 10 fp32 steps of 8 rows in ``accum`` microbatches; what rank 0 saw."""
     plugin = ShardChecked()
+    # grad_clip clips every step; grad_scaler stays inactive in fp32.
+    clipped = ("--plugins.enabled", "dpo,grad_clip,grad_scaler", "--grad_clip.max_norm", "0.05")
     trainer = make_trainer(
-        folder, *RUN, *("--training.batch_size", "8", "--training.grad_accum_steps", str(accum)),
+        folder, *RUN, *clipped,
+        *("--training.batch_size", "8", "--training.grad_accum_steps", str(accum)),
         steps=10, plugins=[(NAME, plugin)],
     )  # fmt: skip
     start = [full_tensor(p).clone() for p in plugin.reference.parameters()]

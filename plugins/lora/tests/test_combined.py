@@ -87,7 +87,11 @@ def hf_run(root: str, folder: str, *args: str) -> tuple[list[float], bool]:
     """A 10-step fp32 LoRA run from Hugging Face folder ``folder``: its losses, and whether
     every base weight is bitwise as loaded."""
     initial = ("--model.flavor", "hf", "--checkpoint.initial_load_path", folder)
-    trainer = make_trainer(root, *LORA, *initial, "--model.tokenizer_path", "", *args, steps=10)
+    # grad_clip clips every step's adapters' gradients; grad_scaler stays inactive in fp32.
+    clipped = ("--plugins.enabled", "lora,grad_clip,grad_scaler", "--grad_clip.max_norm", "0.05")
+    trainer = make_trainer(
+        root, *LORA, *clipped, *initial, "--model.tokenizer_path", "", *args, steps=10
+    )
     before = frozen(trainer)
     trainer.run()
     return losses(root), base_unchanged(trainer, before)
