@@ -15,6 +15,7 @@ from plugtrain.checkpoint import (
     CONFIG,
     export_adapter,
     export_checkpoint,
+    manager,
     open_checkpoint,
     read_metadata,
 )
@@ -276,6 +277,25 @@ def test_a_base_left_out_of_checkpoints_is_reread_from_the_initial_load(tmp_path
     with pytest.raises(CheckpointError, match="is not the base checkpoint"):
         export_checkpoint(step, tmp_path / "hf-changed", conversion=conversion)
     assert not (tmp_path / "hf-changed").exists()
+
+
+def test_a_base_that_cannot_be_hashed_stops_the_run_in_one_line(tmp_path, monkeypatch):
+    plain = make_trainer(tmp_path / "plain", *CHECKPOINTED)
+    plain.run()
+    source = tmp_path / "plain" / "checkpoints" / "step-3"
+
+    def unreadable(_source):
+        raise PermissionError(13, "Permission denied", str(source / CONFIG))
+
+    monkeypatch.setattr(manager, "source_digest", unreadable)
+    initial = ("--checkpoint.initial_load_path", str(source))
+    trainer = make_trainer(tmp_path / "run", *initial, *CHECKPOINTED, plugins=unsaved_adapters())
+    with pytest.raises(CheckpointError) as e:
+        trainer.run()
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"cannot read checkpoint.initial_load_path '{source}' to hash ")
+    assert "Permission denied" in message and message.endswith(": check the folder")
 
 
 def checkpoint_keys(folder) -> set[str]:

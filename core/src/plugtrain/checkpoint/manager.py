@@ -524,9 +524,18 @@ class CheckpointManager:
         and sends to the others (collective)."""
         if self._base is None:
             source = open_initial_load(self.config)
-            digest = (
-                source_digest(source) if self.dims.is_main else torch.empty(32, dtype=torch.uint8)
-            )
+            digest, failure = torch.empty(32, dtype=torch.uint8), None
+            if self.dims.is_main:
+                try:
+                    digest = source_digest(source)
+                except OSError as e:
+                    failure = one_line(e)
+            # Rank 0's failure stops every rank, none left waiting for the broadcast.
+            if self._any_rank(failure is not None):
+                raise CheckpointError(
+                    f"cannot read checkpoint.initial_load_path '{source.path}' to hash the base "
+                    f"the checkpoints leave out ({failure or 'on rank 0'}): check the folder"
+                )
             if self._control_group is not None:
                 dist.broadcast(digest, src=0, group=self._control_group)
             self._base = source, digest
