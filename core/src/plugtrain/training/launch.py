@@ -6,6 +6,7 @@ import os
 import select
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -19,6 +20,10 @@ from plugtrain.config import (
 )
 from plugtrain.errors import UserError
 from plugtrain.host import PluginHost, installed_plugins
+
+RANK_0_FIRST_S = 10.0
+"""How long a rank other than 0 that fails before the process group is up waits before it
+exits, so that rank 0, which reports the failure, ends first."""
 
 
 def configure(argv: list[str], prog: str = "train.py") -> tuple[JobConfig, PluginHost] | None:
@@ -69,6 +74,10 @@ def run_cli(main: Callable[[], int | None]) -> int:
     if message and (rank == 0 or in_group):
         prefix = f"[rank {rank}] " if rank else ""
         print(f"{prefix}plugtrain: {message}", file=sys.stderr)
+    elif message and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun stops every rank once one exits: this silent rank must not be first, or
+        # rank 0 is stopped before it says why. Rank 0 exits at once; torchrun ends this wait.
+        time.sleep(RANK_0_FIRST_S)
     if in_group:
         sys.stdout.flush()
         sys.stderr.flush()
