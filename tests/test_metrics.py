@@ -42,8 +42,10 @@ TOKENIZER = SAMPLE / "tokenizer.json"
 
 
 def train(folder, *args: str, steps: int = 3) -> Trainer:
-    """Train the tiny model in this process (see runs.tiny_args); returns the closed trainer."""
-    config, host = configure([*tiny_args(folder, steps=steps), *args])
+    """Train the tiny model in this process (see runs.tiny_args), its matmul limit timed
+    (``mfu(mm)``); returns the closed trainer."""
+    limit = ("--metrics.matmul_limit", "true")
+    config, host = configure([*tiny_args(folder, steps=steps), *limit, *args])
     trainer = Trainer(config, host)
     trainer.run()
     return trainer

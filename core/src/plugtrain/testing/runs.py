@@ -64,7 +64,10 @@ def tiny_args(dump_folder: str | Path, *extra: str, steps: int = 3) -> list[str]
 
     It trains on the (small) validation split to keep tokenisation fast, with validation off,
     logs every step and saves no checkpoint unless ``extra`` asks (``--checkpoint.enable true``,
-    or ``--checkpoint.save_final true``: the last step's alone, a run's default).
+    or ``--checkpoint.save_final true``: the last step's alone, a run's default). It times no
+    matmul limit unless ``extra`` asks (``--metrics.matmul_limit true``): a shape not cached
+    yet would be timed, and logged, before setup, so what a run says would depend on the runs
+    before it.
     """
     return [
         "--job.dump_folder", str(dump_folder),
@@ -78,6 +81,7 @@ def tiny_args(dump_folder: str | Path, *extra: str, steps: int = 3) -> list[str]
         "--validation.interval", "0",
         "--metrics.log_freq", "1",
         "--checkpoint.save_final", "false",
+        "--metrics.matmul_limit", "false",
         *extra,
     ]  # fmt: skip
 
