@@ -277,7 +277,11 @@ def build_loss(ctx: SetupContext) -> StepLoss | None:
     PR #10144). The logged ``loss`` is that mean. Validation passes call it too, under
     ``torch.no_grad``, on the validation batches: ``validation_loss`` is the mean over all
     their units (and no ``validation_bpb`` is logged). It may run other forwards (under
-    ``torch.no_grad``) but changes no parameter of the model, and no step hook's order.
+    ``torch.no_grad``) but changes no parameter of the model, and no step hook's order. Under
+    tensor parallelism the model's logits are a DTensor sharded over the vocabulary, and the
+    answer and its backward run inside ``loss_parallel``: its ``F.cross_entropy`` of them
+    reduces over the vocabulary (``reduction="none"`` gives the replicated per-token losses,
+    a DTensor: ``plugtrain.plugin.local_tensor`` of it is each rank's whole copy).
     """
 
 

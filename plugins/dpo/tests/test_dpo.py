@@ -179,62 +179,106 @@ def test_a_pairs_loss_is_the_hand_computation_from_transformers_log_probs(tmp_pa
     trainer.close()
 
 
-class ShardChecked(Dpo):
-    """Dpo that records, after each microbatch, whether every reference parameter is a
-    sharded DTensor (FSDP2 leaves the root gathered after a forward unless resharded)."""
+def layout(module: torch.nn.Module) -> list[str]:
+    """Each parameter's placements, as text ("plain" for a plain tensor)."""
+    return [str(p.placements) if isinstance(p, DTensor) else "plain" for p in module.parameters()]
+
+
+class LayoutChecked(Dpo):
+    """Dpo that records, after each microbatch, its reference parameters' layout (FSDP2 leaves
+    the root gathered, plain tensors, after a forward unless resharded)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.sharded: list[bool] = []
+        self.layouts: list[list[str]] = []
 
     def __call__(self, model, microbatch, index):
         loss = super().__call__(model, microbatch, index)
-        self.sharded.append(
-            all(
-                isinstance(p, DTensor) and all(pl.is_shard() for pl in p.placements)
-                for p in self.reference.parameters()
-            )
-        )
+        self.layouts.append(layout(self.reference))
         return loss
 
 
-def _trained(folder: str, accum: int) -> dict:
-    """Train 10 fp32 steps of 8 rows in ``accum`` microbatches; what rank 0 saw."""
-    plugin = ShardChecked()
+def _trained(folder: str, accum: int, *args: str) -> dict:
+    """Train 10 fp32 steps of 8 rows in ``accum`` microbatches, validated after the last;
+    what this rank saw."""
+    plugin = LayoutChecked()
     # grad_clip clips every step; grad_scaler stays inactive in fp32.
     clipped = ("--plugins.enabled", "dpo,grad_clip,grad_scaler", "--grad_clip.max_norm", "0.05")
+    held_out = ("--validation.interval", "10", "--validation.steps", "1",
+                "--data.validation_path", str(SAMPLE / "preference_validation.jsonl"))  # fmt: skip
     trainer = make_trainer(
-        folder, *RUN, *clipped,
+        folder, *RUN, *clipped, *held_out, *args,
         *("--training.batch_size", "8", "--training.grad_accum_steps", str(accum)),
         steps=10, plugins=[(NAME, plugin)],
     )  # fmt: skip
+    model = layout(trainer.model)  # as set up: every parameter sharded or split
     start = [full_tensor(p).clone() for p in plugin.reference.parameters()]
     trainer.run()
     after = [full_tensor(p) for p in plugin.reference.parameters()]
     unchanged = all(torch.equal(a, b) for a, b in zip(after, start, strict=True))
     trainer.close()
-    return {"losses": losses(Path(folder)), "sharded": plugin.sharded, "unchanged": unchanged}
+    # 2 microbatches a step, and the validation batch.
+    laid_out = len(plugin.layouts) == 21 and all(seen == model for seen in plugin.layouts)
+    validation = [r["validation_loss"] for r in read_metrics(folder) if "validation_loss" in r]
+    return {"losses": losses(Path(folder)), "validation": validation, "model": model,
+            "laid_out": laid_out, "unchanged": unchanged}  # fmt: skip
 
 
-@pytest.mark.slow  # two spawned processes
-def test_two_processes_of_two_microbatches_give_one_process_losses(tmp_path):
-    """Over 10 fp32 steps, 2 ranks x 2 microbatches (unequal pairs each) train as 1 process
-    with the whole batch: the loss is the mean over all the step's pairs, and the reference
-    stays sharded and unchanged; a mean of per-microbatch means would weigh pairs otherwise."""
-    one = _trained(str(tmp_path / "one"), 1)
-    ranks = run_distributed(_trained, 2, str(tmp_path / "two"), 2)
-    two = ranks[0]
+LAYOUTS = {
+    "fsdp": (),
+    "hsdp": ("--parallelism.dp_replicate", "2"),
+    "tp": ("--parallelism.tp", "2"),
+}
+"""The 2-process layouts: FSDP2 over both ranks; HSDP (2 replicas of 1 shard); tensor
+parallelism over both (the logits split over the vocabulary)."""
+
+
+def _layouts(folder: str) -> dict[str, dict]:
+    """On each of 2 ranks, 2 microbatches a step: each of ``LAYOUTS``."""
+    return {name: _trained(f"{folder}/{name}", 2, *args) for name, args in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict:
+    """1 process with the whole batch, and what each of 2 ranks saw in each layout."""
+    root = tmp_path_factory.mktemp("dpo_two")
+    return {"one": _trained(str(root / "one"), 1), "ranks": run_distributed(_layouts, 2, str(root))}
+
+
+@pytest.mark.slow  # two spawned processes, shared by the layouts
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_two_processes_of_two_microbatches_give_one_process_losses(two_processes, name):
+    """Over 10 fp32 steps, 2 ranks x 2 microbatches (unequal pairs each, see below) train and
+    validate as 1 process with the whole batch: the loss is the mean over all the pairs, the
+    reference stays unchanged and laid out as the model is (FSDP2, HSDP: sharded after each
+    of its forwards; TP: split as the model, whose vocabulary-sharded logits give each token's
+    log-probability under ``loss_parallel``)."""
+    one, ranks = two_processes["one"], two_processes["ranks"]
+    two = ranks[0][name]
     assert len(one["losses"]) == len(two["losses"]) == 10
     assert abs(one["losses"][0] - math.log(2)) < 1e-6
-    for mine, theirs in zip(two["losses"], one["losses"], strict=True):
-        assert math.isclose(mine, theirs, rel_tol=1e-5), (two["losses"], one["losses"])
+    mine, theirs = two["losses"] + two["validation"], one["losses"] + one["validation"]
+    assert len(one["validation"]) == 1 and len(mine) == len(theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        assert math.isclose(a, b, rel_tol=1e-5), (mine, theirs)
     for rank in ranks:
-        assert rank["unchanged"] and len(rank["sharded"]) == 20 and all(rank["sharded"])
-    # The first step's rows, split as the 2 x 2 run split them: unequal pairs per microbatch,
-    # and, with the trained policy, a per-microbatch mean off the mean over the pairs.
+        assert rank[name]["unchanged"] and rank[name]["laid_out"], name
+    placements = set(two["model"])
+    if name == "fsdp":  # every parameter sharded, none gathered
+        assert placements == {"(Shard(dim=0),)"}, placements
+    elif name == "hsdp":  # sharded within each replica
+        assert placements == {"(Replicate(), Shard(dim=0))"}, placements
+    else:  # split over the tp ranks: weights by rows or columns, the norms replicated
+        assert {"(Shard(dim=0),)", "(Shard(dim=1),)", "(Replicate(),)"} <= placements
+
+
+def test_a_mean_of_per_microbatch_means_would_weigh_the_pairs_otherwise(tmp_path):
+    """The first step's rows, split as the 2 x 2 runs split them: unequal pairs per
+    microbatch, and, with a policy off the reference, a per-microbatch mean off the mean over
+    the pairs."""
     plugin = Dpo()
     split = ("--training.batch_size", "8", "--training.grad_accum_steps", "4")
-    trainer = make_trainer(tmp_path / "check", *RUN, *split, plugins=[(NAME, plugin)])
+    trainer = make_trainer(tmp_path, *RUN, *split, plugins=[(NAME, plugin)])
     batch = trainer.batches.next_batch()
     with torch.no_grad():
         trainer.model.norm.weight.mul_(1.5)  # away from the reference

@@ -137,18 +137,25 @@ class PluginLoss(RunLoss):
     """The loss one plugin answers (``build_loss``), in place of the cross-entropy: each
     microbatch's sum over its units (:class:`plugtrain.plugin.StepLoss`) normalised, as chat
     data's cross-entropy is by its counted targets, by the step's units over every microbatch
-    and data-parallel rank of ``group``."""
+    and data-parallel rank of ``group``. Under tensor parallelism (``tp`` > 1) it runs, with
+    its backward, inside ``loss_parallel``, as the cross-entropy does: the plugin's
+    cross-entropy of the vocabulary-sharded logits reduces over the vocabulary there."""
 
-    def __init__(self, name: str, answer: StepLoss, group: dist.ProcessGroup | None) -> None:
-        super().__init__(tp=1, chunks=1, masked=True, group=group)
+    def __init__(
+        self, name: str, answer: StepLoss, group: dist.ProcessGroup | None, tp: int = 1
+    ) -> None:
+        super().__init__(tp=tp, chunks=1, masked=True, group=group)
         self.name, self.answer = name, answer
         self.ctx: StepContext | None = None
         """The step the next microbatch belongs to (set by the step runner)."""
 
     @classmethod
-    def of(cls, answers: Mapping[str, Any], group: dist.ProcessGroup | None) -> PluginLoss | None:
-        """The loss of ``build_loss``'s ``answers`` by plugin name; None if none answered, a
-        :class:`PluginError` for two, or for an answer that is not a ``StepLoss``."""
+    def of(
+        cls, answers: Mapping[str, Any], group: dist.ProcessGroup | None, tp: int = 1
+    ) -> PluginLoss | None:
+        """The loss of ``build_loss``'s ``answers`` by plugin name, under ``tp``-way tensor
+        parallelism; None if none answered, a :class:`PluginError` for two, or for an answer
+        that is not a ``StepLoss``."""
         if len(answers) > 1:
             names = " and ".join(f"'{name}'" for name in answers)
             raise PluginError(f"plugins {names} both answer the loss: enable only one of them")
@@ -160,7 +167,7 @@ class PluginLoss(RunLoss):
                 f"plugin '{name}': build_loss returned a {type(answer).__name__}, not a "
                 "StepLoss (a callable with a units(microbatch) method)"
             )
-        return cls(name, answer, group)
+        return cls(name, answer, group, tp)
 
     def start(self, batch: Sequence[MicroBatch]) -> None:
         """Count the step's units, over its microbatches and the data-parallel ranks."""

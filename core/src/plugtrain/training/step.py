@@ -97,7 +97,8 @@ def plugin_loss(host: PluginHost, ctx: SetupContext, terms: LossTerms | None) ->
             )
         return None
     dims = ctx.parallel_dims
-    loss = PluginLoss.of(answers, None if dims.world_size == 1 else data_parallel_group(dims))
+    group = None if dims.world_size == 1 else data_parallel_group(dims)
+    loss = PluginLoss.of(answers, group, dims.tp)
     assert loss is not None
     if terms is not None:
         adders = " and ".join(f"'{n}'" for n in host.implementers("loss_terms"))

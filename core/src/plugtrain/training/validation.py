@@ -89,7 +89,9 @@ class Validation:
         self.model.eval()
         for index, microbatch in enumerate(self.batches()):
             microbatch = microbatch.to(self.dims.device)
-            total += torch.stack([answer(self.model, microbatch, index), answer.units(microbatch)])
+            with self.loss.parallel():  # nothing without tensor parallelism
+                loss = answer(self.model, microbatch, index)
+            total += torch.stack([loss, answer.units(microbatch)])
         self.model.train()
         total = all_reduce_mean(total, self.dims.world_size)
         return (total[0] / total[1].clamp(min=1)).item(), None

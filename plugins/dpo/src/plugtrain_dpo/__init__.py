@@ -23,7 +23,10 @@ At step 1 the policy is the reference, ``h = 0`` and the sigmoid loss is ``ln 2`
 The reference (``reference = "copy"``) is built by ``SetupContext.frozen_copy``: laid out as
 the model is (sharded by FSDP2), its forwards under ``torch.no_grad``, each resharded as it
 ends (FSDP2 would leave the root and the last block gathered after a forward, holding a whole
-embedding and output layer per GPU through the step: torchtune PR #2275). It is saved with
+embedding and output layer per GPU through the step: torchtune PR #2275). Under tensor
+parallelism it is split as the model is, and both models' logits, split over the vocabulary,
+give each token's log-probability through ``loss_parallel``'s cross-entropy, in which the
+trainer runs the loss and its backward. It is saved with
 each checkpoint (the plugin's state: as many bytes as the weights), since a resumed run skips
 the initial load that gave the run its start.
 
@@ -60,7 +63,7 @@ from plugtrain.plugin import (
     check_field,
     data_parallel_group,
     hookimpl,
-    refuse_tensor_parallel,
+    local_tensor,
 )
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -132,11 +135,13 @@ def completion_counts(microbatch: MicroBatch) -> torch.Tensor:
 def side_sums(logits: torch.Tensor, microbatch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Each document's summed log-probability of its counted targets, and their number
     (:func:`completion_counts`), in fp32. A counted target is a completion token, never a
-    document's first, so the input before it is of the same document."""
+    document's first, so the input before it is of the same document. Under tensor
+    parallelism ``logits`` are sharded over the vocabulary and this runs inside
+    ``loss_parallel`` (the trainer's), whose cross-entropy reduces over the shards: each rank
+    gets every token's log-probability, replicated, as one process computes it."""
     targets = microbatch.targets
-    logps = -F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), reduction="none"
-    ).view(targets.shape)  # 0 where the target is IGNORE_INDEX
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    logps = -local_tensor(losses).view(targets.shape)  # 0 where the target is IGNORE_INDEX
     return per_document(logps, microbatch), completion_counts(microbatch)
 
 
@@ -166,7 +171,6 @@ class Dpo:
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
         self.config = ctx.plugin_config(self)
-        refuse_tensor_parallel(ctx.parallel_dims, "dpo")
         if ctx.data_kind != "preference":
             raise PluginError(
                 f"plugin 'dpo' trains on preference pairs, but the training data is "
