@@ -165,7 +165,10 @@ def config_section() -> type | None:
     the TOML file and on the command line is the plugin's name (its entry point name):
     ``[grad_clip]`` / ``--grad_clip.max_norm 1.0``. Every field needs a default; the config
     system checks types and unknown keys, and the dataclass's ``__post_init__`` checks ranges
-    (raise :class:`plugtrain.plugin.ConfigError`, e.g. via ``check_field``).
+    (raise :class:`plugtrain.plugin.ConfigError`, e.g. via ``check_field``). The settings a
+    resumed run must keep (they shape the plugin's parameters or the run's trajectory) are
+    named in a ``FIXED_ON_RESUME: ClassVar[tuple[str, ...]]`` of the dataclass: a resume that
+    changes one is refused in one line, naming it and both values; every other may change.
     """
 
 

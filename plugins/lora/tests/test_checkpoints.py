@@ -103,3 +103,37 @@ def test_a_resume_from_a_changed_base_is_refused_in_one_line(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == records
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics if "loss" in line] == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A 2-step LoRA run's dump folder, with its checkpoint of step 2."""
+    folder = tmp_path_factory.mktemp("saved")
+    make_trainer(folder, *LORA, "--checkpoint.enable", "true", steps=2).run()
+    return folder
+
+
+ALL = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "ours", "theirs"),
+    [
+        ("rank", "8", "8", "4"),  # other adapter shapes: not taken for another model
+        ("alpha", "16", "16.0", "8.0"),  # the same shapes: it would load and scale them else
+        ("targets", "wq,wv", str(["wq", "wv"]), str(ALL)),
+    ],
+)
+def test_a_resume_that_changes_an_adapter_setting_is_refused_in_one_line(
+    saved, key, value, ours, theirs
+):
+    records = sorted(p.name for p in saved.iterdir())
+    with pytest.raises(Exception) as e:
+        make_trainer(saved, *LORA, f"--lora.{key}", value, "--checkpoint.enable", "true")
+    step2 = saved / "checkpoints" / "step-2"
+    assert type(e.value).__name__ == "CheckpointError" and str(e.value) == (
+        f"lora.{key} is {ours} in this run but {theirs} in checkpoint {step2}, and a resumed "
+        f"run keeps the settings it started with: drop --lora.{key} (or set it back), or "
+        "start a new run in another job.dump_folder"
+    )
+    assert sorted(p.name for p in saved.iterdir()) == records

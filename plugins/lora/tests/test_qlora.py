@@ -160,6 +160,15 @@ def test_qlora_on_two_fsdp_ranks_trains_as_one_process_and_resumes_bitwise(tmp_p
     assert one["resumed"] == one["straight"]
     straight = [r["loss"] for r in one["straight_metrics"] if "loss" in r]
     assert [r["loss"] for r in one["resumed_metrics"] if "loss" in r] == straight
+    # A resume that would hold the base otherwise is refused in one line, naming the setting.
+    step10 = tmp_path / "one" / "resumed" / "checkpoints" / "step-10"
+    changed = ("--lora.base_dtype", "float32", "--checkpoint.enable", "true")
+    with pytest.raises(Exception) as e:
+        make_trainer(step10.parent.parent, *from_folder(folder), *changed, steps=10)
+    assert str(e.value).startswith(
+        f"lora.base_dtype is 'float32' in this run but 'nf4' in checkpoint {step10}, "
+    )
+    assert type(e.value).__name__ == "CheckpointError" and "\n" not in str(e.value)
     # Two ranks: each weight converted whole, then each rank holding half of it in NF4, so
     # that both compute with the weights one process does (gate_proj's rows are w1's).
     ranks = run_distributed(on_two_ranks, 2, str(tmp_path / "two"), str(folder))

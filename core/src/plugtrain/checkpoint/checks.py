@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from plugtrain.config import CheckpointConfig, fixed_on_resume
+from plugtrain.config import FIXED_ON_RESUME, CheckpointConfig, fixed_on_resume
 from plugtrain.errors import CheckpointError, one_line
 
 __all__ = [
@@ -180,12 +180,16 @@ def check_optimizer(
 
 
 def check_settings(
-    path: Path | str, saved_config: Mapping[str, Any], run_config: Mapping[str, Any]
+    path: Path | str,
+    saved_config: Mapping[str, Any],
+    run_config: Mapping[str, Any],
+    fixed: Mapping[str, tuple[str, ...] | None] = FIXED_ON_RESUME,
 ) -> None:
     """Refuse a resume from checkpoint ``path`` (saved by a run of ``saved_config``) by a run
-    of ``run_config`` that changes a setting the run must keep (``config.FIXED_ON_RESUME``)."""
-    theirs = fixed_on_resume(saved_config)
-    for key, value in fixed_on_resume(run_config).items():
+    of ``run_config`` that changes a setting the run must keep: the core's
+    (``config.FIXED_ON_RESUME``), or those of ``fixed`` (a plugin's, by section)."""
+    theirs = fixed_on_resume(saved_config, fixed)
+    for key, value in fixed_on_resume(run_config, fixed).items():
         if key in theirs and theirs[key] != value:
             raise CheckpointError(
                 f"{key} is {value!r} in this run but {theirs[key]!r} in checkpoint {path}, "

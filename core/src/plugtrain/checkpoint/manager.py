@@ -20,7 +20,8 @@ so a checkpoint holds tensors only: loading never unpickles an object (tensors g
 ``torch.load(weights_only=True)``, DCP's ``.metadata`` file through an unpickler that admits
 DCP's own metadata classes only). Beside them, ``config.json`` holds the resolved config
 of the run that saved it (staged first, so it is committed with it): a resume that changes a
-setting the run must keep (``config.FIXED_ON_RESUME``) is refused, naming the key.
+setting the run must keep (``config.FIXED_ON_RESUME``, and a plugin config's own
+``FIXED_ON_RESUME``) is refused, naming the key.
 
 Resuming reshards: the model and optimizer may be loaded on another number of ranks, and the
 data loader's position does not depend on it; only the RNG streams of ranks the checkpoint did
@@ -85,7 +86,7 @@ from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.records import chat_template_files
 from plugtrain.checkpoint.rng import rng_state, set_rng_state
 from plugtrain.checkpoint.storage import CheckpointStorage
-from plugtrain.config import CheckpointConfig
+from plugtrain.config import CheckpointConfig, JobConfig
 from plugtrain.data import ChatTemplate
 from plugtrain.distributed import ParallelDims
 from plugtrain.errors import CheckpointError, one_line
@@ -128,7 +129,7 @@ class CheckpointManager:
     DCP's ``get_state_dict``, sharded), ``states`` (objects with ``state_dict`` and
     ``load_state_dict``, saved under their key: the LR schedule, the data loader, the trainer's
     counters) and the plugin host (:class:`PluginStates`: each plugin's ``state_dict`` hook).
-    ``run_config`` is the run's resolved config as plain data (``JobConfig.to_dict``), saved
+    ``run_config`` is the run's resolved config, saved as plain data (``JobConfig.to_dict``)
     with each checkpoint, and so is ``chat_template``, the template the run's chat data was
     rendered with (``checkpoint.saved`` reads both back).
 
@@ -149,11 +150,13 @@ class CheckpointManager:
         optimizer: Optimizer,
         states: Mapping[str, Stateful],
         host: PluginStates,
-        run_config: Mapping[str, Any],
+        run_config: JobConfig,
         chat_template: ChatTemplate | None = None,
     ) -> None:
         self.config = config
-        self.run_config = run_config
+        self.run_config = run_config.to_dict()
+        self.plugins_fixed = run_config.plugins_fixed_on_resume()
+        """The settings the enabled plugins keep on resume, by section."""
         self.run_files = chat_template_files(chat_template)
         self.resumed_from: dict[str, Any] | None = None
         """The checkpoint :meth:`load` resumed from, ``{"path", "step"}``; None for a new run."""
@@ -480,6 +483,9 @@ class CheckpointManager:
         except (OSError, ValueError) as e:
             raise damaged(path, f"cannot read its {CONFIG} ({one_line(e)})") from e
         wanted = flat_keys(storable)
+        # A plugin's setting first: one that shapes its parameters (lora.rank) is named, not
+        # taken for another model.
+        check_settings(path, saved_config, self.run_config, self.plugins_fixed)
         check_state(path, saved, wanted, template["plugins"])
         check_settings(path, saved_config, self.run_config)
         check_optimizer(path, saved, wanted, saved_config)

@@ -121,6 +121,14 @@ class JobConfig:
             raise KeyError(f"plugin '{name}' has no config section in this run")
         return self.plugin_sections[name]
 
+    def plugins_fixed_on_resume(self) -> dict[str, tuple[str, ...]]:
+        """The settings each enabled plugin's resumed run keeps, by section: the keys its config
+        dataclass names in ``FIXED_ON_RESUME`` (a ``ClassVar``; none if it names none)."""
+        return {
+            name: tuple(getattr(section, "FIXED_ON_RESUME", ()))
+            for name, section in self.plugin_sections.items()
+        }
+
     def to_dict(self) -> dict[str, Any]:
         """Every section as plain data, plugin sections included (for the run's records)."""
         out = {name: dataclasses.asdict(getattr(self, name)) for name in CORE_SECTIONS}
@@ -182,15 +190,20 @@ FIXED_ON_RESUME: dict[str, tuple[str, ...] | None] = {
 }
 """The settings a resumed run keeps, by section (None: every key): they define the run's
 trajectory, so the run a resume continues must be the one they started. Every other setting
-may change on resume (docs/checkpoints.md)."""
+may change on resume (docs/checkpoints.md). A plugin's config dataclass names its own in a
+``FIXED_ON_RESUME`` class attribute (:meth:`JobConfig.plugins_fixed_on_resume`)."""
 
 
-def fixed_on_resume(values: typing.Mapping[str, typing.Mapping[str, Any]]) -> dict[str, Any]:
+def fixed_on_resume(
+    values: typing.Mapping[str, typing.Mapping[str, Any]],
+    fixed: typing.Mapping[str, tuple[str, ...] | None] = FIXED_ON_RESUME,
+) -> dict[str, Any]:
     """The settings of ``values`` (:meth:`JobConfig.to_dict`, or its JSON) that a resumed run
-    keeps, by dotted key (``optimizer.lr``), in section order."""
+    keeps, by dotted key (``optimizer.lr``), in section order: the core's, or those of
+    ``fixed`` (keys by section, None for every key)."""
     return {
         f"{section}.{key}": value
-        for section, keys in FIXED_ON_RESUME.items()
+        for section, keys in fixed.items()
         for key, value in values.get(section, {}).items()
         if keys is None or key in keys
     }

@@ -200,7 +200,7 @@ class Trainer:
             self.optimizer,
             states={"lr_scheduler": self.lr_scheduler, "data": self.batches, "train": self},
             host=self.host,
-            run_config=config.to_dict(),
+            run_config=config,
             chat_template=self.chat_template,
         )
         folder, dims = config.job.records_folder, self.parallel_dims

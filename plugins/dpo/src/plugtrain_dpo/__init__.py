@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,14 @@ METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "margin")
 class DpoConfig:
     """The ``[dpo]`` config section."""
 
+    # The objective, and the reference: a copy saves its weights with each checkpoint,
+    # adapters_off none, so a resume that switched would compare with another reference.
+    FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (
+        "beta",
+        "loss_type",
+        "label_smoothing",
+        "reference",
+    )
     beta: float = 0.1
     """How far the policy may move from the reference: the scale of the log-ratios."""
     loss_type: str = "sigmoid"

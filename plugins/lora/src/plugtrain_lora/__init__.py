@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,14 @@ TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 class LoraConfig:
     """The ``[lora]`` config section."""
 
+    # They shape the adapters and the base they train on; save_base may change on resume.
+    FIXED_ON_RESUME: ClassVar[tuple[str, ...]] = (
+        "rank",
+        "alpha",
+        "dropout",
+        "targets",
+        "base_dtype",
+    )
     rank: int = 8
     """The adapters' rank r: A is r x in, B is out x r."""
     alpha: float = 16.0
