@@ -42,7 +42,7 @@ def test_the_masked_loss_is_the_assistant_tokens_mean_as_transformers_computes_i
         *("--model.attention", "causal"),
     )
     batch = trainer.batches.next_batch()
-    ((inputs, targets, documents, _),) = batch
+    ((inputs, targets, documents, *_),) = batch
     assert documents is None and trainer.config.data.reset_positions is False
     data = trainer.train_data
     counted = torch.stack([torch.from_numpy(data.counted(i)) for i in (0, 1)]).bool()

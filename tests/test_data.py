@@ -128,8 +128,8 @@ def test_packed_dataset_targets_are_shifted_inputs() -> None:
         assert inputs.dtype == targets.dtype == torch.int64
         assert inputs.tolist() == list(range(5 * i, 5 * i + 4))
         assert targets.tolist() == list(range(5 * i + 1, 5 * i + 5))
-    inputs, targets, documents, positions = ds.collate([3, 0])
-    assert documents is positions is None  # unless asked for
+    inputs, targets, documents, positions, samples = ds.collate([3, 0])
+    assert documents is positions is samples is None  # unless asked for
     assert torch.equal(inputs, torch.stack([ds[3][0], ds[0][0]]))
     assert torch.equal(targets, torch.stack([ds[3][1], ds[0][1]]))
     with pytest.raises(IndexError, match="sample index 4 out of range for 4 samples"):

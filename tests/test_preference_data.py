@@ -3,6 +3,7 @@ as adjacent chosen/rejected documents that never cross a sample, and bad records
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from plugtrain.data import PackedDataset
+from plugtrain.data import MixtureDataset, PackedDataset
 from plugtrain.data.chat import ChatOptions, ChatTemplate, encode_conversation
 from plugtrain.data.prepare import prepare
 from plugtrain.data.store import TokenStore
 from plugtrain.data.tokenizer import Tokenizer
 from plugtrain.errors import DataError
-from plugtrain.testing import SAMPLE, make_trainer
+from plugtrain.testing import SAMPLE, make_trainer, setup_context
 
 TOKENIZER = SAMPLE / "tokenizer.json"
 PROMPT = [{"role": "user", "content": "Reverse 'moon'."}]
@@ -69,6 +70,41 @@ def test_pairs_are_adjacent_documents_that_never_cross_a_sample(tmp_path: Path) 
             c, r = tokens[starts[k] :], tokens[starts[k + 1] :]
             assert (c[:5] == r[:5]).all()
     assert sum(pairs) == 600 and len(set(pairs)) > 1  # unequal pairs per sample
+
+
+def test_numbered_samples_find_their_pairs_documents_in_the_store(tmp_path: Path) -> None:
+    """SetupContext.number_samples numbers the run's datasets one after the other; a row's
+    number finds the store's documents of its pairs again (over shards), and the mixture of
+    the datasets carries the same numbers."""
+    seq_len, width = 256, 257
+    out = tmp_path / "pairs"
+    chat = ChatOptions(max_tokens=seq_len)
+    prepare([str(SAMPLE / "preference_train.jsonl")], out, str(TOKENIZER), workers=1,
+            progress=False, chat=chat, shard_tokens=5000, chunk_bytes=8192)  # fmt: skip
+    store = TokenStore(out)
+    assert len(store.manifest["shards"]) > 2
+    train = PackedDataset(store, seq_len, documents=True, loss_mask=True)
+    held_out = PackedDataset(store, seq_len, documents=True)
+    assert train.collate([3]).samples is None  # unless asked for
+    ctx = dataclasses.replace(setup_context(), datasets=(train, held_out))
+    assert ctx.number_samples() == (train, held_out)
+    assert train.collate([3, 1]).samples.tolist() == [3, 1]
+    assert held_out.collate([2]).samples.tolist() == [len(train) + 2]
+    firsts = train.first_documents(np.arange(len(train)))
+    assert firsts[0] == 0 and np.all(np.diff(firsts) > 0)
+    assert [store.document_span(int(f))[0] for f in firsts] == list(
+        range(0, len(train) * width, width)
+    )
+    for i in (0, 1, len(train) // 2, len(train) - 1):
+        first, docs = firsts[i], train.sample_documents(i)
+        for d in range(docs.max() + 1):
+            start, end = store.document_span(int(first) + d)
+            assert start == i * width + np.flatnonzero(docs == d)[0]
+            assert end <= (i + 1) * width
+    mixture = MixtureDataset([train, held_out], [1, 1], ["a", "b"], seed=0)
+    sources, indices = mixture.locate(range(8))
+    numbers = [i + (len(train) if s else 0) for s, i in zip(sources, indices, strict=True)]
+    assert mixture.collate(range(8)).samples.tolist() == numbers
 
 
 def test_a_side_is_the_chat_rendering_of_prompt_and_completion_masked_on_the_completion(

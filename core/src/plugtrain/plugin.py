@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
     from plugtrain.config import JobConfig, OptimizerConfig
+    from plugtrain.data import PackedDataset
 
 __all__ = [
     "API_VERSION",
@@ -387,6 +388,31 @@ class SetupContext:
     """Builds a model laid out like the run's (family, shape, tensor-parallel split, FSDP2
     sharding, mixed precision), without the model hooks, its weights empty: what
     :meth:`frozen_copy` fills. None in unit-test contexts."""
+    datasets: tuple[PackedDataset, ...] = ()
+    """The datasets the run reads, each a prepared folder's samples: the training data's (each
+    source of ``data.sources`` in order), then the validation data's if the run validates.
+    A plugin reads them whole here if it needs to (dpo's precomputed reference); the training
+    and validation batches draw from them (see :meth:`number_samples`)."""
+
+    @property
+    def resuming(self) -> bool:
+        """Whether the run resumes from a checkpoint of its ``job.dump_folder`` after
+        ``setup`` (its ``load_state_dict`` then fires): the model holds the seeded init now,
+        not the weights the run started from."""
+        from plugtrain.checkpoint import initial_load_ignored
+
+        return bool(initial_load_ignored(self.config.checkpoint, self.config.job.dump_folder))
+
+    def number_samples(self) -> tuple[PackedDataset, ...]:
+        """Make every training and validation microbatch carry ``samples``, each row's number
+        in the run's numbering: :attr:`datasets` in order, sample ``i`` of one numbered
+        ``first_sample + i``. The same sample has the same number in every epoch, on every
+        rank and after a resume. Returns :attr:`datasets`. Runs that never call it carry
+        none and pay nothing."""
+        first = 0
+        for dataset in self.datasets:
+            dataset.first_sample, first = first, first + len(dataset)
+        return self.datasets
 
     def frozen_copy(self) -> nn.Module:
         """A frozen copy of the model as it is now: in ``setup``, the run's starting weights

@@ -49,13 +49,17 @@ class MicroBatch(NamedTuple):
     too): the model attends only within a document (``model.attention = "document"``). A
     sequence that should be one unit (a conversation) is one document. ``positions`` is each
     input token's position within its document, int32 (``0 1 2 0 1 0 ...``), its RoPE position
-    (``data.reset_positions``). Each is None when the run does not use it.
+    (``data.reset_positions``). ``samples`` is each row's sample, int64 ``[batch]``: its
+    number in the run's numbering of every sample it reads (``SetupContext.number_samples``),
+    the same in every epoch, on every rank and after a resume, for a plugin that keeps values
+    per sample (dpo's precomputed reference). Each is None when the run does not use it.
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
     documents: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    samples: torch.Tensor | None = None
 
     def to(self, device: torch.device, *, pin: bool = False) -> MicroBatch:
         """The microbatch on ``device``; ``pin``: copied from pinned memory without blocking the
@@ -91,6 +95,11 @@ class TokenStream(Protocol):
 
     def read_mask(self, start: int, length: int) -> np.ndarray | None:
         """Whether each of those tokens counts in the loss (nonzero), or None: all do."""
+        ...
+
+    def document_of(self, positions: np.ndarray) -> np.ndarray:
+        """The document each token position of ``positions`` is in, numbered from 0 over the
+        stream (int64)."""
         ...
 
 
@@ -147,6 +156,15 @@ class PackedDataset:
         self.seq_len = seq_len
         self.source = source
         self._num_samples = num_tokens // (seq_len + 1)
+        self.first_sample: int | None = None
+        """The run's number of sample 0 (``SetupContext.number_samples``; sample ``i``'s is
+        ``first_sample + i``), or None: the batches carry no ``samples``."""
+
+    @property
+    def stream(self) -> TokenStream:
+        """The token stream the samples are read from (a run's: a
+        :class:`~plugtrain.data.store.TokenStore`, with its folder and manifest)."""
+        return self._stream
 
     def __len__(self) -> int:
         return self._num_samples
@@ -171,6 +189,13 @@ class PackedDataset:
         """Stack the samples at ``indices`` into a microbatch of shape [len, seq_len]."""
         return stack_samples([(self, int(i)) for i in indices])
 
+    def first_documents(self, indices: np.ndarray) -> np.ndarray:
+        """The document of the stream (numbered from 0 over it, int64) each sample of
+        ``indices`` starts in: with :class:`MicroBatch` ``documents``, a row's document ``d``
+        is the stream's ``first_documents([sample])[0] + d`` where samples start at a document
+        (preference data's)."""
+        return self._stream.document_of(np.asarray(indices, dtype=np.int64) * (self.seq_len + 1))
+
     def counted(self, index: int) -> np.ndarray | None:
         """Which of sample ``index``'s ``seq_len`` targets count in the loss (nonzero), or
         None without ``loss_mask``: all do."""
@@ -182,7 +207,8 @@ class PackedDataset:
 def stack_samples(samples: Sequence[tuple[PackedDataset, int]]) -> MicroBatch:
     """The microbatch of ``samples`` (dataset, index): int64 inputs and targets of shape
     [len(samples), seq_len], the targets each dataset's loss mask leaves out
-    :data:`IGNORE_INDEX`, and the documents and positions their datasets ask for."""
+    :data:`IGNORE_INDEX`, and the documents, positions and sample numbers their datasets ask
+    for."""
     rows = torch.from_numpy(np.stack([d.tokens(i) for d, i in samples]).astype(np.int64))
     inputs, targets = rows[:, :-1], rows[:, 1:]
     counted = [d.counted(i) for d, i in samples]
@@ -196,7 +222,11 @@ def stack_samples(samples: Sequence[tuple[PackedDataset, int]]) -> MicroBatch:
         ids = np.stack([d.sample_documents(i) for d, i in samples])
         documents = torch.from_numpy(ids) if first.documents else None
         positions = torch.from_numpy(document_positions(ids)) if first.positions else None
-    return MicroBatch(inputs, targets, documents, positions)
+    numbers = None
+    if first.first_sample is not None:  # numbered: then every dataset of the run is
+        numbered = [(d.first_sample or 0) + i for d, i in samples]
+        numbers = torch.tensor(numbered, dtype=torch.int64)
+    return MicroBatch(inputs, targets, documents, positions, numbers)
 
 
 def document_positions(documents: np.ndarray) -> np.ndarray:

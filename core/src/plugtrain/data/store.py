@@ -157,6 +157,20 @@ class TokenStore:
             left -= len(ends)
         raise IndexError(f"document {index} out of [0, {self.num_documents})")
 
+    def document_of(self, positions: np.ndarray) -> np.ndarray:
+        """The document each token position of ``positions`` is in, numbered from 0 over the
+        stream (int64): a binary search in each shard's ``.idx``."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and not (positions.min() >= 0 and positions.max() < self.num_tokens):
+            raise IndexError(f"token positions out of [0, {self.num_tokens})")
+        found = np.empty_like(positions)
+        before = 0  # the documents of the shards before
+        for base, ends, shard in zip(self._starts, self._ends, self._shards, strict=True):
+            inside = (positions >= base) & (positions < base + len(shard))
+            found[inside] = before + np.searchsorted(ends, positions[inside] - base, "right")
+            before += len(ends)
+        return found
+
     @property
     def vocab_size(self) -> int:
         """Vocabulary size of the tokenizer the folder was prepared with."""

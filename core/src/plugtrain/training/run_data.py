@@ -54,6 +54,14 @@ class TrainingData:
     ``export-hf`` and ``generate --chat``); None for text, or when it cannot be told."""
 
 
+def run_datasets(
+    train: PackedDataset | MixtureDataset, validation: PackedDataset | None
+) -> tuple[PackedDataset, ...]:
+    """The datasets a run reads: each of ``train``'s sources in order, then ``validation``."""
+    sources = train.datasets if isinstance(train, MixtureDataset) else [train]
+    return (*sources, *([] if validation is None else [validation]))
+
+
 def open_training_data(config: JobConfig, dims: ParallelDims, control: RunControl) -> TrainingData:
     """The run's datasets and its training batches, for this rank of ``dims``; ``control``'s
     skipped ranges are left out of the batches. Resolves ``model.attention`` "auto" from the

@@ -55,7 +55,7 @@ from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.loss import RunLoss
 from plugtrain.training.optim import LRSchedule, build_optimizer, plugin_optimizer
 from plugtrain.training.requests import RunRequests
-from plugtrain.training.run_data import open_training_data
+from plugtrain.training.run_data import open_training_data, run_datasets
 from plugtrain.training.run_info import RunInfo
 from plugtrain.training.run_log import RunLog
 from plugtrain.training.step import StepRunner
@@ -286,6 +286,7 @@ class Trainer:
             tokenizer=self.tokenizer,
             data_kind=self.data_kind,
             build_like=self.build_like,
+            datasets=run_datasets(self.train_data, self.val_data),
         )
         self.host.setup(ctx)
         self.metrics.shown = ctx.console
