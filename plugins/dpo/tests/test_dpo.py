@@ -33,7 +33,10 @@ RUN = (*ENABLED, *PAIRS, "--training.batch_size", "4")
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--dpo.reference", "precomputed"), "'precomputed' .* is not yet supported: use 'copy'"),
+        (
+            ("--dpo.reference", "frozen"),
+            r"must be one of \('copy', 'adapters_off', 'precomputed'\)",
+        ),
         (("--dpo.loss_type", "kto"), r"must be one of \('sigmoid', 'ipo'\), got 'kto'"),
         (("--dpo.beta", "0"), "must be finite and > 0, got 0"),
         (("--dpo.label_smoothing", "0.5"), r"must be in \[0, 0.5\), got 0.5"),

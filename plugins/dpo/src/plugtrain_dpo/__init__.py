@@ -35,6 +35,12 @@ its forward runs with the adapters switched off (``plugtrain.plugin.additions_of
 the frozen base model, so no second model is built or saved. As B starts at zero, it gives
 what ``copy`` gives.
 
+With ``reference = "precomputed"`` (``plugtrain_dpo.precomputed``) no reference runs during
+training: before step 1 the starting weights' log-probs of every pair the run reads are
+computed once and stored beside the prepared data, keyed by that start and that data; each
+microbatch finds its pairs' again by its rows' sample numbers. The checkpoint records the key
+only, and a resumed run reads the stored log-probs. It gives what ``copy`` gives.
+
 Metrics, on logging steps and at validation, means over the step's (the pass's) pairs:
 ``dpo/rewards_chosen`` and ``dpo/rewards_rejected`` (``beta`` times each side's log-ratio to
 the reference), ``dpo/margin`` (their difference) and ``dpo/reward_accuracy`` (the share of
@@ -46,7 +52,7 @@ from __future__ import annotations
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -66,9 +72,10 @@ from plugtrain.plugin import (
     hookimpl,
     local_tensor,
 )
+from plugtrain_dpo.precomputed import ReferenceLogps, reference_logps
 
 LOSS_TYPES = ("sigmoid", "ipo")
-REFERENCES = ("copy", "adapters_off")
+REFERENCES = ("copy", "adapters_off", "precomputed")
 METRICS = ("rewards_chosen", "rewards_rejected", "reward_accuracy", "margin")
 
 
@@ -92,7 +99,9 @@ class DpoConfig:
     """The assumed share of pairs whose preference is flipped (cDPO), with ``sigmoid``."""
     reference: str = "copy"
     """``copy``: a frozen, sharded copy of the starting weights; ``adapters_off`` (with
-    ``lora``): the policy itself with its adapters switched off, no second model."""
+    ``lora``): the policy itself with its adapters switched off, no second model;
+    ``precomputed``: the starting weights' log-probs of every pair, computed once before step 1
+    and stored beside the prepared data, no second model."""
 
     def __post_init__(self) -> None:
         check_field(0 < self.beta < math.inf, "beta", f"must be finite and > 0, got {self.beta}")
@@ -110,12 +119,6 @@ class DpoConfig:
             self.label_smoothing == 0 or self.loss_type == "sigmoid",
             "label_smoothing",
             f"applies to loss_type 'sigmoid' only, not {self.loss_type!r}: set it to 0",
-        )
-        check_field(
-            self.reference != "precomputed",
-            "reference",
-            "'precomputed' (reference log-probs stored beside the data) is not yet supported: "
-            "use 'copy'",
         )
         check_field(
             self.reference in REFERENCES,
@@ -169,6 +172,8 @@ class Dpo:
         """The frozen copy (``copy``); None with ``adapters_off``."""
         self.adapters_off: AbstractContextManager[None] | None = None
         """Where the policy computes as the base model (``adapters_off``)."""
+        self.precomputed: ReferenceLogps | None = None
+        """The reference's log-probs of every pair (``precomputed``)."""
         self.group: dist.ProcessGroup | None = None
         self.sums: torch.Tensor | None = None
         """The step's metric sums on this rank so far, then its pair count (see METRICS)."""
@@ -199,6 +204,8 @@ class Dpo:
                     "dpo.reference = 'adapters_off' needs a plugin that adds adapters, e.g. "
                     "lora: enable it (plugins.enabled), or set dpo.reference = 'copy'"
                 )
+        elif self.config.reference == "precomputed":
+            self.precomputed = reference_logps(ctx, side_sums)
         else:
             self.reference = ctx.frozen_copy()
         ctx.show_on_console(self, "reward_accuracy", "margin")
@@ -210,18 +217,23 @@ class Dpo:
         return self
 
     @hookimpl
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
+    def state_dict(self) -> dict[str, Any] | None:
         # The reference's weights, saved with each checkpoint: a resume skips the initial load,
         # so the copy setup takes then is of the seeded init, not of the run's start. The
         # adapters_off reference is the frozen base, which the checkpoint (or its initial
-        # load) already holds.
+        # load) already holds; the precomputed one is named by its key (32 bytes).
+        if self.precomputed is not None:
+            return {"precomputed": self.precomputed.key}
         if self.reference is None:
             return None
         return {"reference": dict(self.reference.named_parameters())}
 
     @hookimpl
     @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, dict[str, torch.Tensor]]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.precomputed is not None:
+            self.precomputed.load(state_dict["precomputed"])
+            return
         assert self.reference is not None
         for name, param in self.reference.named_parameters():
             param.copy_(state_dict["reference"][name])
@@ -234,14 +246,18 @@ class Dpo:
         """The microbatch's DPO losses, summed over its pairs."""
         inputs, extra = microbatch.inputs, microbatch.model_inputs()
         with torch.no_grad():
-            if self.adapters_off is not None:
-                with self.adapters_off:
-                    ref_logits = model(inputs, **extra)
+            if self.precomputed is not None:
+                counts = completion_counts(microbatch)
+                ref_sums = self.precomputed.lookup(microbatch, counts)
             else:
-                assert self.reference is not None
-                # Resharded as its forward ends (SetupContext.frozen_copy).
-                ref_logits = self.reference(inputs, **extra)
-            ref_sums, counts = side_sums(ref_logits, microbatch)
+                if self.adapters_off is not None:
+                    with self.adapters_off:
+                        ref_logits = model(inputs, **extra)
+                else:
+                    assert self.reference is not None
+                    # Resharded as its forward ends (SetupContext.frozen_copy).
+                    ref_logits = self.reference(inputs, **extra)
+                ref_sums, counts = side_sums(ref_logits, microbatch)
         sums, _ = side_sums(model(inputs, **extra), microbatch)
         valid = pairs_of(counts)
         if self.config.loss_type == "ipo":  # IPO: log-probs averaged over the completion
