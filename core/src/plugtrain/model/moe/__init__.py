@@ -1,0 +1,1 @@
+"""The mixture-of-experts family's parts (Qwen3-MoE layout)."""
