@@ -29,7 +29,7 @@ def test_the_default_family_is_llama_and_help_shows_the_key():
     assert model_spec(config.model.family) is LLAMA
     assert isinstance(LLAMA, ModelSpec) and LLAMA.flavors is FLAVORS
     lines = format_help({}).splitlines()
-    at = lines.index("  --model.family (one of 'llama'; default 'llama')")
+    at = lines.index("  --model.family (one of 'llama', 'moe'; default 'llama')")
     assert lines[at + 1].split()[:3] == ["The", "model", "family"]
 
 
@@ -38,9 +38,9 @@ def test_the_default_family_is_llama_and_help_shows_the_key():
     [
         (
             "lama",
-            "config key 'model.family' is 'lama' (did you mean 'llama'?); choose one of llama",
+            "config key 'model.family' is 'lama' (did you mean 'llama'?); choose one of llama, moe",
         ),
-        ("gpt", "config key 'model.family' is 'gpt'; choose one of llama"),
+        ("gpt", "config key 'model.family' is 'gpt'; choose one of llama, moe"),
     ],
 )
 def test_an_unknown_family_is_refused_in_one_line(family, message):
@@ -58,7 +58,7 @@ def test_a_config_json_finds_its_family_by_model_type():
         hf_model_spec({"model_type": "mistral"})
     assert str(e.value) == (
         "config.json field 'model_type' is 'mistral', which no model family reads: give the "
-        "config of one of llama"
+        "config of one of llama, qwen3_moe"
     )
 
 

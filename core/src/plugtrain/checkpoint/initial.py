@@ -60,7 +60,7 @@ from plugtrain.checkpoint.object_store import open_storage
 from plugtrain.checkpoint.saved import CheckpointFolder, locate_checkpoint
 from plugtrain.config import CheckpointConfig
 from plugtrain.errors import CheckpointError, one_line
-from plugtrain.model import HFAdapter, conversion_of, hf_model_spec
+from plugtrain.model import FAMILIES, HFAdapter, check_family, conversion_of, hf_model_spec
 from plugtrain.urls import is_url
 
 logger = logging.getLogger("plugtrain")
@@ -214,6 +214,9 @@ class InitialLoad:
         return self._hf.to_hf(name, torch.empty(0), args, permute=False)[0]
 
     def _check_hf(self, args: Any) -> None:
+        family = next((n for n, load in FAMILIES.items() if isinstance(args, load().args)), None)
+        if family is not None:
+            check_family(self.config, family, f"{_KEY} '{self.path}'")
         try:
             theirs = self._hf.args_from_hf(self.config)
         except CheckpointError as e:  # what the family's model cannot express

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from plugtrain.errors import ConfigError, FieldError, check_field, did_you_mean
 from plugtrain.model import FAMILIES, FLAVORS, ModelArgs, RopeScaling, unknown_family
+from plugtrain.model.moe.args import FLAVORS as MOE_FLAVORS
 
 
 @dataclass
@@ -19,11 +20,13 @@ class ModelConfig:
     """The model family (``plugtrain.model.FAMILIES``): its architecture, flavors, tensor
     parallelism, Hugging Face format and memory formula (its ``ModelSpec``). ``llama``: Llama
     3's decoder (the keys below are its)."""
-    flavor: str = field(default="debug", metadata={"choices": (*FLAVORS, "hf")})
-    """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.llama.args.FLAVORS``), or
-    ``hf``: the shape a Hugging Face ``config.json`` gives (``model.hf_config``)."""
+    flavor: str = field(default="debug", metadata={"choices": (*FLAVORS, *MOE_FLAVORS, "hf")})
+    """Model size: ``tiny``, ``debug``, ``1B``, ``8B``... (``model.llama.args.FLAVORS``); with
+    family ``moe``, ``debug_moe`` or ``qwen3_30b_a3b`` (``model.moe.args.FLAVORS``); or ``hf``:
+    the shape a Hugging Face ``config.json`` gives (``model.hf_config``)."""
     hf_config: str = ""
-    """With flavor ``hf``: a ``LlamaForCausalLM`` config.json, or the folder holding it. Its
+    """With flavor ``hf``: a ``LlamaForCausalLM`` config.json (family ``moe``: a
+    ``Qwen3MoeForCausalLM`` one), or the folder holding it. Its
     sizes, ``intermediate_size``, RoPE (theta, ``llama3`` scaling), tied embeddings, positions
     and vocabulary make the model; the tokenizer's vocabulary must fit in its ``vocab_size``.
     A field the model cannot express (biases, sliding window, another model or RoPE type) is
@@ -63,6 +66,23 @@ class ModelConfig:
     microbatch's tokens, backward recomputing each chunk's logits (``model.loss.ChunkedLoss``):
     the loss's memory, ``12 * vocab`` bytes a token, falls by this factor, for one more pass of
     the output projection. 1: the whole logits at once."""
+    moe_experts: int = 0
+    """Family ``moe``: routed experts per block in place of the flavor's (0: the flavor's).
+    Not with flavor ``hf``."""
+    moe_top_k: int = 0
+    """Family ``moe``: experts each token is routed to, at most ``moe_experts`` (0: the
+    flavor's). Not with flavor ``hf``."""
+    moe_aux_loss_weight: float = 0.0
+    """Family ``moe``: weight of the load-balancing loss (Switch Transformer's, ``E * sum_e
+    f_e * P_e`` averaged over the blocks, ``model.moe.balance``), added to the loss and logged
+    as ``moe/aux_loss``; 0: none."""
+    moe_z_loss_weight: float = 0.0
+    """Family ``moe``: weight of the router z-loss (ST-MoE's mean squared log-sum-exp of the
+    router logits, averaged over the blocks), logged as ``moe/router_z_loss``; 0: none."""
+    moe_bias_update_rate: float = 0.0
+    """Family ``moe``: DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step
+    every block's expert selection bias moves by this much toward balance, ``bias += rate *
+    sign(mean load - load)``, on the device; 0: the bias stays zero."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -84,12 +104,30 @@ class ModelConfig:
                 f"is set, but flavor is '{self.flavor}': set model.flavor = \"hf\" to use it",
             )
         check_field(self.loss_chunks >= 1, "loss_chunks", f"must be >= 1, got {self.loss_chunks}")
+        self._check_moe()
         ffn_dim = self.ffn_dim
         check_field(ffn_dim is None or ffn_dim >= 1, "ffn_dim", f"must be >= 1, got {ffn_dim}")
         try:
             self.rope_scaling_args()
         except ValueError as e:
             raise FieldError("rope_scaling", f"is unusable: {e}") from None
+
+    def _check_moe(self) -> None:
+        """The ``moe_*`` keys: family ``moe``'s only, in range."""
+        keys = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        moe = {k: v for k, v in keys.items() if k.startswith("moe_")}
+        if self.family != "moe":
+            for key, value in moe.items():
+                check_field(
+                    not value,
+                    key,
+                    f"is {value!r}, but model.family is '{self.family}', which has no experts: "
+                    'set model.family = "moe" or leave it unset',
+                )
+        for key in ("moe_experts", "moe_top_k"):
+            check_field(moe[key] >= 0, key, f"must be >= 0 (0: the flavor's), got {moe[key]}")
+        for key in ("moe_aux_loss_weight", "moe_z_loss_weight", "moe_bias_update_rate"):
+            check_field(moe[key] >= 0, key, f"must be >= 0 (0: off), got {moe[key]}")
 
     def _check_flavor(self, flavors: Iterable[str]) -> None:
         choices = (*flavors, "hf")
@@ -118,12 +156,14 @@ class ModelConfig:
         refused in one line. The RoPE table always reaches ``seq_len``.
         """
         # Here, not at the top: the rest of the config, and --help, need no torch.
-        from plugtrain.model import model_spec, read_hf_config
+        from plugtrain.model import check_family, model_spec, read_hf_config
 
         spec = model_spec(self.family)
         self._check_flavor(spec.flavors)
         if self.flavor == "hf":
-            args = spec.hf.args_from_hf(read_hf_config(self.hf_config))
+            config = read_hf_config(self.hf_config)
+            check_family(config, self.family, f"model.hf_config '{self.hf_config}'")
+            args = spec.hf.args_from_hf(config)
             if vocab_size is not None and vocab_size > args.vocab_size:
                 raise ConfigError(
                     f"the tokenizer has {vocab_size} tokens, more than the {args.vocab_size} "
@@ -136,6 +176,8 @@ class ModelConfig:
                 attention=ATTENTION_VARIANTS[self.attention],
             )
         args = spec.flavors[self.flavor]
+        if self.family == "moe":
+            args = self._moe_shape(args)
         return dataclasses.replace(
             args,
             vocab_size=args.vocab_size if vocab_size is None else vocab_size,
@@ -146,11 +188,30 @@ class ModelConfig:
             attention=ATTENTION_VARIANTS[self.attention],
         )
 
+    def _moe_shape(self, args: Any) -> Any:
+        """The moe flavor ``args`` with ``moe_experts`` and ``moe_top_k`` applied."""
+        experts = self.moe_experts or args.num_experts
+        top_k = self.moe_top_k or args.top_k
+        if top_k > experts:
+            key = "moe_top_k" if self.moe_top_k else "moe_experts"
+            raise ConfigError(
+                f"config key 'model.{key}' gives top-k {top_k} over {experts} experts: a token "
+                "cannot be routed to more experts than there are; lower model.moe_top_k or "
+                "raise model.moe_experts"
+            )
+        return dataclasses.replace(args, num_experts=experts, top_k=top_k)
+
 
 ATTENTION_VARIANTS = {"auto": "sdpa", "causal": "sdpa", "document": "document"}
 """``model.attention``'s values and the ``ModelArgs.attention`` variant each names (``auto``,
 before the run has read its data and resolved it, as for ``plugtrain estimate``: causal)."""
 
 
-_SHAPE_OPTIONS = {"tie_embeddings": False, "ffn_dim": None, "rope_scaling": "none"}
+_SHAPE_OPTIONS = {
+    "tie_embeddings": False,
+    "ffn_dim": None,
+    "rope_scaling": "none",
+    "moe_experts": 0,
+    "moe_top_k": 0,
+}
 """The [model] keys that change a flavor's shape, and their defaults (unset with flavor hf)."""

@@ -1,4 +1,4 @@
-"""The model: the family seam (``ModelSpec``), Llama, FSDP2 sharding and tensor parallelism."""
+"""The model: the family seam (``ModelSpec``), Llama, mixture of experts, FSDP2 and TP."""
 
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from plugtrain.model.decoding import generate as generate
     from plugtrain.model.decoding import next_token as next_token
     from plugtrain.model.families import FAMILIES as FAMILIES
+    from plugtrain.model.families import check_family as check_family
     from plugtrain.model.families import hf_model_spec as hf_model_spec
     from plugtrain.model.families import model_spec as model_spec
     from plugtrain.model.families import unknown_family as unknown_family
@@ -50,12 +51,16 @@ if TYPE_CHECKING:
     from plugtrain.model.loss import summed_cross_entropy as summed_cross_entropy
     from plugtrain.model.memory import Checkpointing as Checkpointing
     from plugtrain.model.memory import MemoryEstimate as MemoryEstimate
+    from plugtrain.model.moe.args import MoEArgs as MoEArgs
+    from plugtrain.model.moe.spec import MOE as MOE
+    from plugtrain.model.moe.transformer import MoETransformer as MoETransformer
     from plugtrain.model.sharding import DTYPES as DTYPES
     from plugtrain.model.sharding import build_model as build_model
     from plugtrain.model.sharding import replica_sync as replica_sync
     from plugtrain.model.sharding import reshard as reshard
     from plugtrain.model.spec import HFAdapter as HFAdapter
     from plugtrain.model.spec import ModelSpec as ModelSpec
+    from plugtrain.model.spec import piece as piece
     from plugtrain.model.spec import read_hf_config as read_hf_config
     from plugtrain.model.tensor_parallel import tensor_parallel_degree as tensor_parallel_degree
     from plugtrain.model.tensor_parallel import whole_logits as whole_logits

@@ -12,7 +12,7 @@ from typing import Any
 from plugtrain.errors import CheckpointError, ConfigError, did_you_mean
 from plugtrain.model.spec import ModelSpec
 
-__all__ = ["FAMILIES", "hf_model_spec", "model_spec", "unknown_family"]
+__all__ = ["FAMILIES", "check_family", "hf_model_spec", "model_spec", "unknown_family"]
 
 
 def _llama() -> ModelSpec:
@@ -21,7 +21,13 @@ def _llama() -> ModelSpec:
     return LLAMA
 
 
-FAMILIES: dict[str, Callable[[], ModelSpec]] = {"llama": _llama}
+def _moe() -> ModelSpec:
+    from plugtrain.model.moe import MOE
+
+    return MOE
+
+
+FAMILIES: dict[str, Callable[[], ModelSpec]] = {"llama": _llama, "moe": _moe}
 """Each family's name and what loads its :class:`ModelSpec` (imported on first use: torch)."""
 
 
@@ -54,3 +60,16 @@ def hf_model_spec(config: dict[str, Any]) -> ModelSpec:
         f"config.json field 'model_type' is {kind!r}, which no model family reads: give the "
         f"config of one of {types}"
     )
+
+
+def check_family(config: dict[str, Any], family: str, source: str) -> None:
+    """Refuse, in one line, a Hugging Face ``config`` (``source``'s, named in words) whose
+    ``model_type`` another family than ``family`` reads: a Qwen3-MoE folder given to the llama
+    family, or the reverse."""
+    kind = config.get("model_type")
+    for name, load in FAMILIES.items():
+        if name != family and load().hf.model_type == kind:
+            raise ConfigError(
+                f"{source} holds a {kind!r} model, which is family '{name}', but model.family "
+                f"is '{family}': set model.family = \"{name}\""
+            )

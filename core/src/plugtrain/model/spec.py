@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from plugtrain.model.init import Fill
     from plugtrain.model.memory import MemoryEstimate
 
-__all__ = ["HFAdapter", "ModelSpec", "read_hf_config"]
+__all__ = ["HFAdapter", "ModelSpec", "piece", "read_hf_config"]
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,13 @@ class HFAdapter:
     """A family's Hugging Face format: its config.json and its state dict's names, both ways.
 
     Tensors go one at a time, so that an export streams and an import reads only what it needs.
-    The reader side (the initial load, ``generate``, ``eval``) is :attr:`args_from_hf` and
-    :attr:`from_hf`; the writer side (``export-hf``) :attr:`hf_config`,
-    :attr:`parameter_shapes` and :attr:`to_hf`.
+    A parameter the format stores as one tensor per index of its first dimension
+    (:attr:`stacked`: a layer's experts, one tensor each in Hugging Face's Qwen3-MoE, stacked in
+    plugtrain) goes as its pieces, ``name[i]`` (:func:`piece`), each its own tensor for
+    :attr:`to_hf` and :attr:`from_hf`; :meth:`hf_names`, :meth:`pieces_to_hf` and
+    :meth:`stack` handle both kinds. The reader side (the initial load, ``generate``,
+    ``eval``) is :attr:`args_from_hf` and :attr:`from_hf`; the writer side (``export-hf``)
+    :attr:`hf_config`, :attr:`parameter_shapes` and :attr:`to_hf`.
     """
 
     model_type: str
@@ -54,6 +59,48 @@ class HFAdapter:
     to_hf: Callable[..., tuple[str, torch.Tensor]]
     """Writer: ``(name, tensor, args, *, permute=True) -> (hf_name, tensor)``, the inverse of
     :attr:`from_hf`; a tensor the format has no place for raises ``CheckpointError``."""
+    stacked: Callable[[str, Any], bool] = lambda name, args: False
+    """``stacked(name, args)``: whether parameter ``name`` is stored as one tensor per index of
+    its first dimension (its pieces, :func:`piece`); no parameter of Llama's is."""
+
+    def hf_names(self, name: str, shape: tuple[int, ...], args: Any) -> list[str]:
+        """The Hugging Face names parameter ``name`` (of ``shape``) is stored under: one, or
+        one per piece."""
+        import torch  # here: the module is free of torch at import
+
+        names = [piece(name, i) for i in range(shape[0])] if self.stacked(name, args) else [name]
+        return [self.to_hf(n, torch.empty(0), args, permute=False)[0] for n in names]
+
+    def pieces_to_hf(
+        self, name: str, tensor: torch.Tensor, args: Any
+    ) -> list[tuple[str, torch.Tensor]]:
+        """:attr:`to_hf` of parameter ``name``'s full ``tensor``, piece by piece if stacked."""
+        if not self.stacked(name, args):
+            return [self.to_hf(name, tensor, args)]
+        return [self.to_hf(piece(name, i), t, args) for i, t in enumerate(tensor.unbind())]
+
+    @staticmethod
+    def stack(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state_dict`` (plugtrain's names, :attr:`from_hf`'s) with each parameter's pieces
+        stacked into it, in index order."""
+        import torch
+
+        out: dict[str, torch.Tensor] = {}
+        pieces: dict[str, dict[int, torch.Tensor]] = {}
+        for name, tensor in state_dict.items():
+            match = _PIECE.fullmatch(name)
+            if match is None:
+                out[name] = tensor
+            else:
+                pieces.setdefault(match[1], {})[int(match[2])] = tensor
+        for name, parts in pieces.items():
+            if sorted(parts) != list(range(len(parts))):
+                missing = min(set(range(len(parts) + 1)) - set(parts))
+                raise CheckpointError(
+                    f"piece {missing} of tensor '{name}' is missing: use a complete model folder"
+                )
+            out[name] = torch.stack([parts[i] for i in range(len(parts))])
+        return out
 
 
 @dataclass(frozen=True)
@@ -102,6 +149,14 @@ class ModelSpec:
     pipeline_split: Callable[..., Any] | None = None
     """The hook for pipeline parallelism: how the model splits into stages. None: the family
     cannot be pipelined yet (no family can: plugtrain has no pipeline schedule so far)."""
+
+
+_PIECE = re.compile(r"(.+)\[(\d+)\]")
+
+
+def piece(name: str, index: int) -> str:
+    """The name of piece ``index`` (of its first dimension) of parameter ``name``."""
+    return f"{name}[{index}]"
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:

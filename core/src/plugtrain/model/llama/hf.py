@@ -25,8 +25,12 @@ from plugtrain.model.llama.args import ModelArgs, RopeScaling
 __all__ = [
     "from_hf",
     "hf_config",
+    "hf_rope_rows",
+    "meta_rope_rows",
     "model_args_from_hf",
     "parameter_shapes",
+    "refuse_field",
+    "rope_from_hf",
     "to_hf",
 ]
 
@@ -96,7 +100,9 @@ def hf_config(
     }
 
 
-def _refuse(field: str, value: Any, why: str) -> CheckpointError:
+def refuse_field(field: str, value: Any, why: str) -> CheckpointError:
+    """The one-line error for config.json field ``field``, of ``value``, which the model
+    cannot express because ``why``."""
     return CheckpointError(
         f"config.json field '{field}' is {value!r}, which plugtrain's model cannot express: {why}"
     )
@@ -111,26 +117,26 @@ _LLAMA3_KEYS = {
 """Hugging Face's llama3 RoPE parameters -> :class:`RopeScaling`'s fields."""
 
 
-def _rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """RoPE's theta and scaling, from the legacy form (top-level ``rope_theta``,
     ``rope_scaling``) or transformers 5's (``rope_parameters`` holding both)."""
     field = "rope_scaling" if config.get("rope_scaling") is not None else "rope_parameters"
     params = config.get(field) or {}
     if not isinstance(params, dict):
-        raise _refuse(field, params, "it must be an object")
+        raise refuse_field(field, params, "it must be an object")
     theta = float(config.get("rope_theta", params.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise _refuse(field, params, "only the default RoPE and the llama3 scaling are")
+        raise refuse_field(field, params, "only the default RoPE and the llama3 scaling are")
     missing = [key for key in _LLAMA3_KEYS if key not in params]
     if missing:
-        raise _refuse(field, params, f"the llama3 scaling needs '{missing[0]}'")
+        raise refuse_field(field, params, f"the llama3 scaling needs '{missing[0]}'")
     try:
         return theta, RopeScaling(**{ours: params[hf] for hf, ours in _LLAMA3_KEYS.items()})
     except (TypeError, ValueError) as e:
-        raise _refuse(field, params, one_line(e)) from e
+        raise refuse_field(field, params, one_line(e)) from e
 
 
 _REQUIRED = (
@@ -155,16 +161,18 @@ def model_args_from_hf(config: dict[str, Any]) -> ModelArgs:
     ):
         value = config.get(field, wanted if field != "model_type" else None)
         if value != wanted:
-            raise _refuse(field, value, why)
+            raise refuse_field(field, value, why)
     if config.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
-        raise _refuse("architectures", config["architectures"], "only LlamaForCausalLM is")
+        raise refuse_field("architectures", config["architectures"], "only LlamaForCausalLM is")
     if config.get("sliding_window") is not None:
-        raise _refuse("sliding_window", config["sliding_window"], "attention is global")
+        raise refuse_field("sliding_window", config["sliding_window"], "attention is global")
     if not isinstance(config.get("tie_word_embeddings", False), bool):
-        raise _refuse("tie_word_embeddings", config["tie_word_embeddings"], "it must be a bool")
-    theta, scaling = _rope(config)
+        raise refuse_field(
+            "tie_word_embeddings", config["tie_word_embeddings"], "it must be a bool"
+        )
+    theta, scaling = rope_from_hf(config)
     if config.get("pretraining_tp", 1) != 1:
-        raise _refuse("pretraining_tp", config["pretraining_tp"], "use a config with 1")
+        raise refuse_field("pretraining_tp", config["pretraining_tp"], "use a config with 1")
     missing = [field for field in _REQUIRED if field not in config]
     if missing:
         raise CheckpointError(
@@ -173,7 +181,7 @@ def model_args_from_hf(config: dict[str, Any]) -> ModelArgs:
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     try:
         if (config.get("head_dim") or dim // n_heads) * n_heads != dim:
-            raise _refuse("head_dim", config["head_dim"], "it must be hidden_size // heads")
+            raise refuse_field("head_dim", config["head_dim"], "it must be hidden_size // heads")
         args = ModelArgs(
             dim=dim,
             n_layers=config["num_hidden_layers"],
@@ -230,6 +238,19 @@ def _heads(name: str, args: ModelArgs) -> int | None:
     return None
 
 
+def hf_rope_rows(tensor: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """``tensor``'s rows (``heads`` heads of ``head_dim``) from Meta's RoPE pairs ``(2k,
+    2k+1)`` to rotate-half's ``(k, k + head_dim/2)``, within each head."""
+    rows = tensor.reshape(heads, head_dim // 2, 2, -1).transpose(1, 2)
+    return rows.reshape(tensor.shape)
+
+
+def meta_rope_rows(tensor: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of :func:`hf_rope_rows`: rotate-half's rows back in Meta's pairs."""
+    rows = tensor.reshape(heads, 2, head_dim // 2, -1).transpose(1, 2)
+    return rows.reshape(tensor.shape)
+
+
 def _unknown(name: str, side: str) -> CheckpointError:
     return CheckpointError(
         f"tensor '{name}' has no place in the Hugging Face Llama format ({side} names only "
@@ -251,9 +272,7 @@ def to_hf(
         raise _unknown(name, "plugtrain")
     heads = _heads(name, args)
     if heads is not None and permute:
-        # Meta's pairs (2k, 2k+1) -> rotate-half's (k, k + head_dim/2), within each head.
-        tensor = tensor.reshape(heads, args.head_dim // 2, 2, -1).transpose(1, 2)
-        tensor = tensor.reshape(heads * args.head_dim, -1)
+        tensor = hf_rope_rows(tensor, heads, args.head_dim)
     return f"model.layers.{index}.{_LAYER_NAMES[inner]}", tensor
 
 
@@ -276,6 +295,5 @@ def from_hf(
     ours = f"layers.{parts[2]}.{_FROM_LAYER[parts[3]]}"
     heads = _heads(ours, args)
     if heads is not None and permute:
-        tensor = tensor.reshape(heads, 2, args.head_dim // 2, -1).transpose(1, 2)
-        tensor = tensor.reshape(heads * args.head_dim, -1)
+        tensor = meta_rope_rows(tensor, heads, args.head_dim)
     return ours, tensor

@@ -45,6 +45,8 @@ activations in flight during backward, ``torch.compile``'s buffers, and plugins'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 from plugtrain.model.llama.args import ModelArgs
 from plugtrain.model.memory import Checkpointing, MemoryEstimate
@@ -92,6 +94,7 @@ def estimate_memory(
     dp_replicate: int = 1,
     tp: int = 1,
     loss_chunks: int = 1,
+    layer_bytes: Callable[[Any, int, str, int], int] = layer_bytes_per_token,
 ) -> MemoryEstimate:
     """The bytes each of ``world_size`` processes holds at a step's peak, training ``args`` on
     microbatches of ``microbatch`` sequences of ``seq_len`` tokens (dtypes by config name); the
@@ -101,7 +104,9 @@ def estimate_memory(
     the FSDP ranks sharding the splits (the norms, replicated over ``tp``, are counted split
     too: a few vectors); FSDP gathers the splits only; the activations and logits of a
     microbatch are split over ``tp`` but for the norms' all-gathered outputs. The loss computed
-    in ``loss_chunks`` chunks of tokens holds one chunk's logits at a time."""
+    in ``loss_chunks`` chunks of tokens holds one chunk's logits at a time. ``layer_bytes``
+    is :func:`layer_bytes_per_token`'s counterpart for another family sharing this formula
+    (``model.moe``'s blocks keep other activations)."""
     p, r = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
     n, tokens = args.num_params(), microbatch * seq_len
     sharded = tp > 1 or needs_sharding(world_size, DTYPES[param_dtype], DTYPES[reduce_dtype])
@@ -113,7 +118,7 @@ def estimate_memory(
         gathered = p * (_root_params(args) + 2 * block + out_proj + block)
         gathered += r * block if r != p else 0
         gathered //= tp
-    per_layer = {m: layer_bytes_per_token(args, p, m, tp) for m in ("none", "full", "op")}
+    per_layer = {m: layer_bytes(args, p, m, tp) for m in ("none", "full", "op")}
     if checkpointing.mode == "layer":
         full = args.n_layers // checkpointing.every
         kept = full * per_layer["full"] + (args.n_layers - full) * per_layer["none"]

@@ -173,7 +173,7 @@ class Attention(nn.Module):
     The projections are here; the attention itself is ``model.attention``'s variant.
     """
 
-    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int = 0, qk_norm: bool = False) -> None:
         super().__init__()
         self.layer_id = layer_id
         # The model's head counts; under tensor parallelism a rank holds a share of them,
@@ -186,6 +186,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Qwen3's RMSNorm over each head's channels of the queries and keys, before RoPE
+        # (the moe family's); Llama has none.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -200,6 +204,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary_emb(q, freqs_cis).transpose(1, 2)  # [B, heads, S, head_dim]
         k = apply_rotary_emb(k, freqs_cis).transpose(1, 2)
         v = v.transpose(1, 2)
@@ -210,14 +216,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``, of width ``dim`` and hidden size ``hidden``."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        hidden = args.ffn_hidden_dim
-        self.w1 = nn.Linear(args.dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, args.dim, bias=False)
-        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -235,7 +240,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(
         self,
@@ -291,13 +296,17 @@ class Transformer(nn.Module):
     own initialisation is PyTorch's default and is not meant to be trained from.
     """
 
+    block_type: Callable[[int, ModelArgs], nn.Module] = TransformerBlock
+    """Builds block ``i`` of a shape: a family that shares this decoder (``model.moe``) and
+    differs in its blocks subclasses it with its own."""
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
         # The layers' attention variant, whose per-forward mask forward builds once.
         self.attend = attention_variant(args.attention)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.layers = nn.ModuleList(self.block_type(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: no module at all, so that the model has one parameter where FSDP2, DCP,
         # to_empty and init_weights each see one tensor (a module sharing the Parameter would be
