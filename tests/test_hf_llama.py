@@ -21,28 +21,18 @@ from plugtrain.config import ModelConfig
 from plugtrain.data import Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.model import LLAMA, Transformer, from_hf, model_args_from_hf, read_hf_config
-from plugtrain.testing import HF_VARIANTS, hf_llama_folder, hf_llama_logits, make_trainer
+from plugtrain.testing import (
+    HF_VARIANTS,
+    hf_llama_folder,
+    hf_llama_logits,
+    hf_tensors,
+    make_trainer,
+)
 
 pytest.importorskip("transformers")
-from safetensors import safe_open
 
 SHARD = 300_000
 """Bytes: the plain variant is saved in shards of at most this, with an index file."""
-
-
-def _tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder, by its name there."""
-    index = folder / "model.safetensors.index.json"
-    files = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if index.is_file()
-        else ["model.safetensors"]
-    )
-    tensors = {}
-    for file in files:
-        with safe_open(folder / file, "pt") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
-    return tensors
 
 
 def _import(folder: Path, *, permute: bool = True, scaling: bool = True) -> Transformer:
@@ -53,7 +43,7 @@ def _import(folder: Path, *, permute: bool = True, scaling: bool = True) -> Tran
         args = dataclasses.replace(args, rope_scaling=None)
     model = Transformer(args)
     model.load_state_dict(
-        dict(from_hf(k, v, args, permute=permute) for k, v in _tensors(folder).items())
+        dict(from_hf(k, v, args, permute=permute) for k, v in hf_tensors(folder).items())
     )
     return model.eval()
 
@@ -93,7 +83,7 @@ def test_the_plain_folder_is_sharded_and_the_tied_one_has_no_lm_head(folders):
     plain, tied = folders["plain"]["folder"], folders["tied"]["folder"]
     assert (plain / "model.safetensors.index.json").is_file()
     assert len(list(plain.glob("model-*.safetensors"))) > 1
-    assert "lm_head.weight" in _tensors(plain) and "lm_head.weight" not in _tensors(tied)
+    assert "lm_head.weight" in hf_tensors(plain) and "lm_head.weight" not in hf_tensors(tied)
     assert model_args_from_hf(read_hf_config(tied)).tie_embeddings
 
 
@@ -120,7 +110,7 @@ def test_import_then_export_gives_the_tensors_back_bitwise(folders, tokens, tmp_
         dtype=torch.float32,
         max_shard_size=SHARD,
     )
-    theirs, ours = _tensors(folder), _tensors(out)
+    theirs, ours = hf_tensors(folder), hf_tensors(out)
     assert list(ours) == [k for k in ours if k in theirs] and ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name

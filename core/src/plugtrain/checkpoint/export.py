@@ -398,8 +398,14 @@ def _write_weights(
     time (``load``, see :func:`write_hf_folder`), in shards of at most ``max_shard_size`` bytes
     with their index."""
     shapes = hf.parameter_shapes(args)
-    hf_names = {name: hf.to_hf(name, torch.empty(0), args, permute=False)[0] for name in shapes}
-    hf_shapes = {hf_names[name]: shape for name, shape in shapes.items()}
+    # A stacked parameter (a layer's experts) is stored as one tensor per index of its first
+    # dimension, each of its shape less that dimension.
+    hf_names = {name: hf.hf_names(name, shape, args) for name, shape in shapes.items()}
+    hf_shapes = {
+        hf_name: shape[1:] if hf.stacked(name, args) else shape
+        for name, shape in shapes.items()
+        for hf_name in hf_names[name]
+    }
     item = torch.empty(0, dtype=dtype).element_size()
     sizes = {name: item * torch.Size(shape).numel() for name, shape in shapes.items()}
     shards = _shards(sizes, max_shard_size)
@@ -411,17 +417,18 @@ def _write_weights(
     weight_map = {}
     for file, names in zip(files, shards, strict=True):
         with open(folder / file, "wb") as f:
-            _write(f, _header([hf_names[n] for n in names], hf_shapes, dtype))
+            _write(f, _header([h for n in names for h in hf_names[n]], hf_shapes, dtype))
             for name in names:
-                hf_name, tensor = hf.to_hf(name, load(name), args)
+                tensor = load(name)
                 if tuple(tensor.shape) != shapes[name]:
                     raise CheckpointError(
                         f"tensor '{name}' has shape {tuple(tensor.shape)}, but the model's "
                         f"config gives {shapes[name]}: export the checkpoint of this model"
                     )
-                tensor = tensor.to(dtype).contiguous()
-                _write(f, tensor.reshape(-1).view(torch.uint8).numpy())
-                weight_map[hf_name] = file
+                for hf_name, piece in hf.pieces_to_hf(name, tensor, args):
+                    piece = piece.to(dtype).contiguous()
+                    _write(f, piece.reshape(-1).view(torch.uint8).numpy())
+                    weight_map[hf_name] = file
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         _write_json(folder / "model.safetensors.index.json", index)

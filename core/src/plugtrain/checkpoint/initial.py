@@ -149,8 +149,7 @@ class InitialLoad:
         wanted = {k: tuple(v.shape) for k, v in _base_state(model).items()}
         if self.kind == "hf":
             self._check_hf(args)
-            stored = {self._hf_name(k, args): k for k in wanted}
-            have = {stored.get(k, k): v for k, v in self.shapes.items()}
+            have = self._hf_shapes(wanted, args)
         else:
             have = {k.removeprefix("model."): v for k, v in self.shapes.items()
                     if k.startswith("model.")}  # fmt: skip
@@ -198,6 +197,21 @@ class InitialLoad:
         except CheckpointError as e:
             raise CheckpointError(f"{_KEY} '{self.path}': {e}") from e
 
+    def _hf_shapes(
+        self, wanted: dict[str, tuple[int, ...]], args: Any
+    ) -> dict[str, tuple[int, ...]]:
+        """The folder's tensors' shapes by plugtrain's name, a stacked parameter's (one tensor
+        per expert there) as its pieces stacked; a tensor no parameter claims by its own name."""
+        have, claimed = {}, set()
+        for name, shape in wanted.items():
+            hf_names = self._hf.hf_names(name, shape, args)
+            claimed.update(hf_names)
+            if all(n in self.shapes for n in hf_names):
+                first = self.shapes[hf_names[0]]
+                stacked = self._hf.stacked(name, args)
+                have[name] = (len(hf_names), *first) if stacked else first
+        return have | {k: v for k, v in self.shapes.items() if k not in claimed}
+
     def read_full(self, name: str, args: Any) -> torch.Tensor:
         """Parameter ``name``'s full tensor in plugtrain's layout (Hugging Face's q/k rows
         permuted back), read by this process alone: what a checkpoint left out, for one that
@@ -205,13 +219,15 @@ class InitialLoad:
         if self.source is not None:
             key = f"model.{name}"
             return read_checkpoint(self.path, key, self.source.reader())[key]
-        hf_name = self._hf_name(name, args)
-        with safe_open(self.files[hf_name], framework="pt") as f:
-            tensor = f.get_tensor(hf_name)
-        return self._hf.from_hf(hf_name, tensor, args)[1]
+        pieces = []
+        for hf_name in self._hf_names(name, args):
+            with safe_open(self.files[hf_name], framework="pt") as f:
+                pieces.append(self._hf.from_hf(hf_name, f.get_tensor(hf_name), args)[1])
+        return torch.stack(pieces) if self._hf.stacked(name, args) else pieces[0]
 
-    def _hf_name(self, name: str, args: Any) -> str:
-        return self._hf.to_hf(name, torch.empty(0), args, permute=False)[0]
+    def _hf_names(self, name: str, args: Any) -> list[str]:
+        """The Hugging Face names of parameter ``name``: one per expert if stacked."""
+        return self._hf.hf_names(name, self._hf.parameter_shapes(args)[name], args)
 
     def _check_hf(self, args: Any) -> None:
         family = next((n for n, load in FAMILIES.items() if isinstance(args, load().args)), None)
@@ -262,10 +278,6 @@ class InitialLoad:
     def _load_hf(self, model: nn.Module, args: Any, only: set[str] | None) -> None:
         conversion = conversion_of(model)
         for name, value in _base_state(model, only).items():
-            hf_name = self._hf_name(name, args)
-            # Which stored row each of ours is: the q/k permutation, applied to row numbers.
-            rows = torch.arange(value.shape[0]).unsqueeze(1)
-            order = self._hf.from_hf(hf_name, rows, args)[1].squeeze(1)
             # One held in another form is read whole: it is converted whole, then sharded.
             if isinstance(value, DTensor) and name not in conversion.stored:
                 # FSDP's Shard(0), tensor parallelism's Shard(0) or Shard(1), or both: each rank
@@ -278,19 +290,47 @@ class InitialLoad:
                 shape, offset, target = tuple(value.shape), (0,) * value.ndim, value
             if 0 in shape:
                 continue
-            wanted = order[offset[0] : offset[0] + shape[0]]
-            low, high = int(wanted.min()), int(wanted.max()) + 1
-            # Only rows are permuted: the other dimensions are read as this rank's slice.
-            columns = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
-            try:
-                with safe_open(self.files[hf_name], framework="pt") as f:
-                    block = f.get_slice(hf_name)[(slice(low, high), *columns)]
-            except (SafetensorError, OSError, RuntimeError) as e:
-                raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
-            if name in conversion.stored:
-                conversion.load_stored(model, name, block[wanted - low])
+            if self._hf.stacked(name, args):  # this rank's experts, one tensor each
+                hf_names = self._hf.hf_names(name, tuple(value.shape), args)
+                rows = hf_names[offset[0] : offset[0] + shape[0]]
+                block = torch.stack([self._read(n, offset[1:], shape[1:]) for n in rows])
             else:
-                target.copy_(block[wanted - low].to(target.dtype))
+                block = self._read_rows(name, args, value.shape[0], offset, shape)
+            if name in conversion.stored:
+                conversion.load_stored(model, name, block)
+            else:
+                target.copy_(block.to(target.dtype))
+
+    def _read_rows(
+        self, name: str, args: Any, rows: int, offset: tuple[int, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The block ``offset``, ``shape`` of parameter ``name`` (of ``rows`` rows) in
+        plugtrain's layout, read from its Hugging Face tensor: the rows through the q/k
+        permutation."""
+        hf_name = self._hf.to_hf(name, torch.empty(0), args, permute=False)[0]
+        # Which stored row each of ours is: the q/k permutation, applied to row numbers.
+        order = torch.arange(rows).unsqueeze(1)
+        order = self._hf.from_hf(hf_name, order, args)[1].squeeze(1)
+        wanted = order[offset[0] : offset[0] + shape[0]]
+        low, high = int(wanted.min()), int(wanted.max()) + 1
+        block = self._read(hf_name, offset[1:], shape[1:], rows=slice(low, high))
+        return block[wanted - low]
+
+    def _read(
+        self,
+        hf_name: str,
+        offset: tuple[int, ...],
+        shape: tuple[int, ...],
+        rows: slice | None = None,
+    ) -> torch.Tensor:
+        """Tensor ``hf_name``'s ``rows`` (all if None) and the block ``offset``, ``shape`` of
+        its other dimensions, read through safetensors' lazy slices."""
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        try:
+            with safe_open(self.files[hf_name], framework="pt") as f:
+                return f.get_slice(hf_name)[((rows,) if rows is not None else ()) + index]
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise _refuse(self.path, f"cannot be read ({one_line(e)})") from e
 
     def _load_plugtrain(
         self, model: nn.Module, optimizer: Optimizer | None, only: set[str] | None

@@ -143,6 +143,7 @@ def from_hf_folder(path: Path, tokenizer_path: str | None = None) -> Loaded:
                 for key in f.keys():  # noqa: SIM118 (not a dict)
                     name, tensor = spec.hf.from_hf(key, f.get_tensor(key), args)
                     state_dict[name] = tensor
+        state_dict = spec.hf.stack(state_dict)  # each expert's tensor into its layer's
     except UserError:
         raise
     except (OSError, ValueError, KeyError) as e:

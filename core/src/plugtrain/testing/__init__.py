@@ -84,6 +84,10 @@ if TYPE_CHECKING:
     from plugtrain.testing.hf import hf_llama_config as hf_llama_config
     from plugtrain.testing.hf import hf_llama_folder as hf_llama_folder
     from plugtrain.testing.hf import hf_llama_logits as hf_llama_logits
+    from plugtrain.testing.hf import hf_logits as hf_logits
+    from plugtrain.testing.hf import hf_qwen3_moe_config as hf_qwen3_moe_config
+    from plugtrain.testing.hf import hf_qwen3_moe_folder as hf_qwen3_moe_folder
+    from plugtrain.testing.hf import hf_tensors as hf_tensors
     from plugtrain.testing.hf import save_random_llama as save_random_llama
     from plugtrain.testing.processes import free_port as free_port
     from plugtrain.testing.processes import run_distributed as run_distributed

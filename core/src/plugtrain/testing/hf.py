@@ -1,5 +1,7 @@
-"""Hugging Face Llama folders for tests: random ``LlamaForCausalLM`` models built offline.
+"""Hugging Face folders for tests: random Llama and Qwen3-MoE models built offline.
 
+:func:`hf_qwen3_moe_folder` saves a tiny Qwen3-MoE (the moe family's format) as
+:func:`hf_llama_folder` saves a Llama, and :func:`hf_logits` is transformers' answer for either.
 :func:`hf_llama_folder` saves a tiny model of one of :data:`HF_VARIANTS` with transformers'
 own ``save_pretrained`` (sharded on request), next to the sample's tokenizer, as a real
 checkpoint of that family would be laid out; :func:`save_random_llama` saves one of a plugtrain
@@ -28,6 +30,10 @@ __all__ = [
     "hf_llama_config",
     "hf_llama_folder",
     "hf_llama_logits",
+    "hf_logits",
+    "hf_qwen3_moe_config",
+    "hf_qwen3_moe_folder",
+    "hf_tensors",
     "save_random_llama",
 ]
 
@@ -153,6 +159,47 @@ def hf_llama_folder(
     )  # fmt: skip
 
 
+def hf_qwen3_moe_config(**overrides: Any) -> dict[str, Any]:
+    """The ``Qwen3MoeConfig`` keyword arguments of a tiny model (3 blocks, the first dense;
+    width 64, 4 query heads of 32 channels, so that ``n_heads * head_dim`` is not the width, and
+    2 key/value heads; 8 experts of hidden size 32, top-2, renormalised; the sample tokenizer's
+    2048 tokens), weights drawn with std 0.2 (logits far from uniform, routing far from even),
+    with ``overrides`` on top."""
+    config: dict[str, Any] = {
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+        "vocab_size": 2048,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "initializer_range": 0.2,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    return config | overrides
+
+
+def hf_qwen3_moe_folder(
+    path: str | os.PathLike[str], *, seed: int = 0, tokenizer: bool = True, **overrides: Any
+) -> Path:
+    """Save a random float32 ``Qwen3MoeForCausalLM`` of :func:`hf_qwen3_moe_config`
+    ``(**overrides)`` to folder ``path``, as :func:`hf_llama_folder` saves a Llama."""
+    tokenizer_file = sample.resolve("sample:tokenizer.json") if tokenizer else None
+    return _save(
+        path, hf_qwen3_moe_config(**overrides), torch.float32, seed, None, tokenizer_file,
+        architecture="Qwen3Moe",
+    )  # fmt: skip
+
+
 def save_random_llama(
     folder: str | os.PathLike[str],
     args: ModelArgs,
@@ -181,13 +228,16 @@ def _save(
     seed: int,
     max_shard_size: int | str | None,
     tokenizer: str | os.PathLike[str] | None,
+    architecture: str = "Llama",
 ) -> Path:
     import transformers
 
     path = Path(path)
+    model_class = getattr(transformers, f"{architecture}ForCausalLM")
+    config_class = getattr(transformers, f"{architecture}Config")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).to(dtype)
+        model = model_class(config_class(**config)).to(dtype)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
     if tokenizer is not None:
@@ -200,8 +250,33 @@ def _save(
 def hf_llama_logits(path: str | os.PathLike[str], tokens: torch.Tensor) -> torch.Tensor:
     """transformers' float32 logits ``[B, S, vocab]`` for ``tokens`` ``[B, S]``, from the
     model it loads from folder ``path``."""
+    return hf_logits(path, tokens)
+
+
+def hf_tensors(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of Hugging Face folder ``folder`` (whole or sharded), by its name there,
+    in the files' order."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else ["model.safetensors"]
+    )
+    tensors = {}
+    for file in files:
+        with safe_open(folder / file, "pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
+    return tensors
+
+
+def hf_logits(path: str | os.PathLike[str], tokens: torch.Tensor) -> torch.Tensor:
+    """:func:`hf_llama_logits` for a folder of any architecture transformers reads (its
+    ``AutoModelForCausalLM``)."""
     import transformers
 
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits
