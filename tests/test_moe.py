@@ -4,6 +4,7 @@ and the bad input it refuses."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -133,12 +134,20 @@ def test_the_estimate_holds_every_expert_and_the_active_activations():
     assert 60 < estimate.total / 2**30 < 80  # an 80 GB GPU each, at full checkpointing
 
 
-def test_a_debug_moe_run_trains_and_logs(tmp_path):
+def test_a_debug_moe_run_logs_each_blocks_load(tmp_path):
     trainer = make_trainer(tmp_path, "--model.family", "moe", "--model.flavor", "debug_moe")
     trainer.train()
-    losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    assert all(m.tokens_per_expert.sum() > 0 for m in moe_layers(trainer.model))
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+    mean = 4 * 32 * DEBUG.top_k / DEBUG.num_experts  # a step's token copies over the experts
+    for record in records:
+        for block in range(DEBUG.n_layers):
+            high, low = record[f"moe/max_tokens.{block}"], record[f"moe/min_tokens.{block}"]
+            assert record[f"moe/imbalance.{block}"] == pytest.approx(high / mean)
+            assert 0 <= low <= mean <= high
+        assert record["moe/imbalance"] == max(record[f"moe/imbalance.{b}"] for b in (0, 1))
+    assert "moe/aux_loss" not in records[0]  # the losses are off by default
+    assert all(m.tokens_per_expert.sum() == 0 for m in moe_layers(trainer.model))
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Zero host syncs per non-logging step: the core (causal or document masking), grad_clip and
-grad_scaler, 1 and 2 processes.
+grad_scaler, the moe family's balancing, 1 and 2 processes.
 
 A run of N steps logs at step 1 and step N only (``metrics.log_freq`` larger than N). Counted
 over two runs of different lengths, the difference is what the extra non-logging steps cost:
@@ -21,6 +21,8 @@ DECLARED = {
     "grad_clip bf16": {"_c10d_functional.all_reduce": 1},
     # and the scaler's found_inf, reduced by DTensor inside its unscale kernel
     "grad_clip+grad_scaler fp16": {"_c10d_functional.all_reduce": 2},
+    # the experts' loads summed over the ranks for the bias update
+    "moe balanced fp32": {"c10d.allreduce_": 1},
 }
 """The collectives each case adds to the core's per non-logging step, as the plugins declare."""
 CASES = {
@@ -33,6 +35,11 @@ CASES = {
     "grad_clip+grad_scaler fp16": (
         "--plugins.enabled", "grad_clip,grad_scaler",
         "--training.mixed_precision_param", "float16",
+    ),
+    "moe balanced fp32": (
+        "--model.family", "moe", "--model.flavor", "debug_moe",
+        "--model.moe_bias_update_rate", "0.001", "--model.moe_aux_loss_weight", "0.01",
+        "--model.moe_z_loss_weight", "0.001",
     ),
 }  # fmt: skip
 

@@ -297,6 +297,10 @@ def loss_terms(ctx: LossContext) -> Mapping[str, torch.Tensor] | None:
     plugin sees ``ctx.logits``, ``ctx.targets`` and ``ctx.lse`` (the log-sum-exp of the logits,
     computed once for all plugins, a plain tensor), not the model; ``ctx.logits`` is None when
     the loss is computed in chunks (``[model] loss_chunks``), ``ctx.lse`` is always there.
+    With a mixture-of-experts model (``[model] family = "moe"``) ``ctx.router`` holds each
+    expert layer's router statistics of the forward (logits and probabilities in the autograd
+    graph, tokens per expert), the input of a balancing loss; the core adds its own from them
+    (``[model] moe_aux_loss_weight``, ``moe_z_loss_weight``), logged as ``moe/<key>``.
 
     Each value is a 0-d tensor in the autograd graph: **the microbatch's share of the step's
     term**, normalised as the cross-entropy is. ``ctx.mask`` holds the targets that count

@@ -8,7 +8,7 @@ hooks themselves, with when each fires and what it may change, are declared and 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
     from plugtrain.config import JobConfig, OptimizerConfig
     from plugtrain.data import PackedDataset
+    from plugtrain.model.moe.layer import RouterStats
 
 __all__ = [
     "API_VERSION",
@@ -578,6 +579,12 @@ class LossContext:
     precomputed_lse: torch.Tensor | None = field(default=None, repr=False)
     """:attr:`lse` as a chunked loss computed it beside the loss, chunk by chunk; None: the
     property computes it from :attr:`logits` on first use."""
+    router: Sequence[RouterStats] = ()
+    """Each mixture-of-experts layer's router statistics of this microbatch's forward, in block
+    order (``model.moe.layer.RouterStats``: the router logits and probabilities, in the
+    autograd graph, and the token copies per expert); empty for a model without experts. The
+    input of a load-balancing or router loss (the core's own, ``[model] moe_aux_loss_weight``
+    and ``moe_z_loss_weight``, are computed from it)."""
 
     @property
     def lse(self) -> torch.Tensor:

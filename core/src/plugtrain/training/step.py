@@ -17,6 +17,7 @@ import torch
 from plugtrain.data import MicroBatch
 from plugtrain.errors import DataError, PluginError
 from plugtrain.host import PluginHost
+from plugtrain.model.moe.balance import Balance
 from plugtrain.observability import StepTimer
 from plugtrain.plugin import SetupContext, StepContext, data_parallel_group
 from plugtrain.training.loss import PluginLoss, RunLoss
@@ -28,9 +29,9 @@ StepBody = Callable[[StepContext, Sequence[MicroBatch]], torch.Tensor]
 
 class StepRunner:
     """Runs a step's microbatches through ``model`` with the run's ``loss`` (or the one a
-    plugin answers, ``build_loss``, fired here with the setup's ``ctx``) and the plugins' loss
-    terms, firing the per-microbatch hooks; ``sync_replicas(last)`` says whether the next
-    backward all-reduces across replicas."""
+    plugin answers, ``build_loss``, fired here with the setup's ``ctx``) and the loss terms,
+    firing the per-microbatch hooks; ``sync_replicas(last)`` says whether the next backward
+    all-reduces across replicas. A model with experts is balanced by :attr:`balance`."""
 
     def __init__(
         self,
@@ -43,8 +44,13 @@ class StepRunner:
     ) -> None:
         self.model, self.host, self.hook = model, host, host.hook
         self.sync_replicas, self.timer = sync_replicas, timer
-        self.loss_terms = LossTerms.of(host)
-        """The plugins' loss terms, None if no plugin adds any."""
+        self.balance = Balance.of(model, ctx.config.model)
+        """The load balancing of the model's mixture-of-experts layers; None without any."""
+        if self.balance is not None and ctx.parallel_dims.world_size > 1:
+            self.balance.group = data_parallel_group(ctx.parallel_dims)
+        own = {"moe": self.balance.terms} if self.balance and self.balance.has_losses else {}
+        self.loss_terms = LossTerms.of(host, own)
+        """The loss terms, the plugins' and the core's own; None if none is on."""
         self.loss: RunLoss = plugin_loss(host, ctx, self.loss_terms) or loss
         """The training loss: the one plugin's that answers ``build_loss``, else the run's."""
         self.body: StepBody = self.accumulate
@@ -57,7 +63,20 @@ class StepRunner:
             self.loss.ctx = ctx
         self.loss.start(batch)
         with self.loss.parallel():  # nothing without tensor parallelism
-            return self.body(ctx, batch)
+            loss = self.body(ctx, batch)
+        if self.balance is not None:
+            self.balance.after_backward()
+        return loss
+
+    @property
+    def states(self) -> dict[str, Balance]:
+        """The step's own state to checkpoint, by name: the experts' balancing, if any."""
+        return {} if self.balance is None else {"moe": self.balance}
+
+    def metrics(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The step's own metrics of a logging step, as ``step_metrics``' answers are (by
+        name: ``moe/...``, the experts' load)."""
+        return {} if self.balance is None else {"moe": self.balance.metrics()}
 
     def accumulate(self, ctx: StepContext, batch: Sequence[MicroBatch]) -> torch.Tensor:
         """The microbatches one after another, each firing ``loss_terms`` (if implemented) and
@@ -70,10 +89,11 @@ class StepRunner:
             loss = self.loss.share(loss, ctx.num_microbatches)
             loss_sum += loss.detach()  # the logged loss: the cross-entropy alone
             if self.loss_terms is not None:  # only in runs where a plugin implements the hook
+                router = self.balance.stats() if self.balance is not None else ()
                 terms_ctx = self.loss_terms.context(
-                    ctx, logits, microbatch.targets, self.loss.count, lse
+                    ctx, logits, microbatch.targets, self.loss.count, lse, router
                 )
-                terms = self.host.results("loss_terms", ctx=terms_ctx)
+                terms = self.loss_terms.answers(self.host, terms_ctx)
                 loss = self.loss_terms.added_to(loss, terms, ctx)
             del logits, lse  # freed before backward, as the graph keeps only what it needs
             ctx.loss = loss
@@ -101,7 +121,8 @@ def plugin_loss(host: PluginHost, ctx: SetupContext, terms: LossTerms | None) ->
     loss = PluginLoss.of(answers, group, dims.tp)
     assert loss is not None
     if terms is not None:
-        adders = " and ".join(f"'{n}'" for n in host.implementers("loss_terms"))
+        own = [f"model.{n}_*" for n in terms.own]  # the core's own: the moe losses
+        adders = " and ".join([f"'{n}'" for n in host.implementers("loss_terms")] + own)
         raise PluginError(
             f"plugin '{loss.name}' answers the loss, so {adders} cannot add loss terms to the "
             "cross-entropy: enable one or the other"

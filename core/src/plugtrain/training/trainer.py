@@ -198,7 +198,8 @@ class Trainer:
             config.training.steps,
             self.model,
             self.optimizer,
-            states={"lr_scheduler": self.lr_scheduler, "data": self.batches, "train": self},
+            states={"lr_scheduler": self.lr_scheduler, "data": self.batches, "train": self}
+            | self.runner.states,
             host=self.host,
             run_config=config,
             chat_template=self.chat_template,
@@ -397,7 +398,7 @@ class Trainer:
     def _log_step(self, loss: torch.Tensor, ctx: StepContext, lr: torch.Tensor) -> None:
         """Log the step's record (read from the device: a logging step's one host sync)."""
         times = self.timer.window()
-        step_metrics = self.host.results("step_metrics", ctx=ctx)
+        step_metrics = self.host.results("step_metrics", ctx=ctx) | self.runner.metrics()
         loss_terms, vetoes = self.runner.loss_terms, self.vetoes
         record = self.log.record(
             self.step, loss, lr, times, step_metrics, loss_terms, vetoes, self.train_data

@@ -103,7 +103,8 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         logits, probs, experts, weights = self.router(x)
         flat = experts.flatten()
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # Not bincount: on CUDA it reads the largest index on the host.
+        counts = flat.new_zeros(self.num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         # Token copy j (of token j // top_k) in expert order; stable, so that within an
         # expert the copies keep their tokens' order.
         order = flat.argsort(stable=True)

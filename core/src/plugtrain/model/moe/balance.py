@@ -1,0 +1,168 @@
+"""A run's load balancing of its mixture-of-experts layers: the losses, the bias, the metrics.
+
+Three means, each off by default (``[model] moe_*``):
+
+* the **load-balancing loss** (Switch Transformer's, Qwen-MoE's): for each layer, ``E *
+  sum_e f_e * P_e``, ``f_e`` the fraction of the token copies routed to expert ``e`` (the
+  top-k's counts over ``T * top_k``: 1 in all) and ``P_e`` the mean router probability of
+  ``e`` over the ``T`` tokens; 1 when balanced. Averaged over the layers, times
+  ``moe_aux_loss_weight``;
+* the **router z-loss** (ST-MoE's): the mean over the tokens of the squared log-sum-exp of the
+  router logits, averaged over the layers, times ``moe_z_loss_weight``;
+* DeepSeek-V3's **auxiliary-loss-free bias**: after each step's backward every layer's
+  ``expert_bias`` (added to the probabilities for the top-k choice only) moves by
+  ``moe_bias_update_rate`` toward balance, ``bias += rate * sign(mean load - load)``, the loads
+  summed over the data-parallel ranks on the device: no host read.
+
+The losses enter the loss as loss terms (``training.loss_terms``), from the router statistics
+each microbatch's forward left (``RouterStats``, also given to plugins' ``loss_terms`` as
+``LossContext.router``): each term is the microbatch's share, its value over the step's
+microbatches, as the cross-entropy's. The loads of each step (tokens per expert, summed over
+ranks) give the metrics of a logging step, ``moe/imbalance.<block>`` (max over mean) and
+``moe/max_tokens.<block>``, ``moe/min_tokens.<block>``, and ``moe/imbalance`` (the worst
+block's), read with the record's other values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plugtrain.model.moe.layer import MoE, RouterStats
+
+__all__ = ["Balance", "load_balancing_loss", "router_z_loss", "update_bias"]
+
+
+def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` of one layer's routing (see the module docstring), fp32, in the
+    autograd graph through ``P`` (the counts ``f`` are not differentiable)."""
+    experts = stats.probs.shape[-1]
+    fraction = stats.counts.float() / stats.counts.sum()
+    return experts * (fraction * stats.probs.mean(dim=0)).sum()
+
+
+def router_z_loss(stats: RouterStats) -> torch.Tensor:
+    """The mean over the tokens of ``logsumexp(router logits) ** 2``, of one layer."""
+    return stats.logits.logsumexp(dim=-1).square().mean()
+
+
+@torch.no_grad()
+def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's update of one layer's selection ``bias`` in place from its experts'
+    ``load`` (tokens per expert): raise the under-loaded experts' bias by ``rate``, lower the
+    over-loaded ones'; an expert at the mean load keeps its own."""
+    load = load.float()
+    bias += rate * torch.sign(load.mean() - load)
+
+
+class Balance:
+    """The balancing of ``model``'s mixture-of-experts layers in a run (see the module
+    docstring); the trainer's step calls :meth:`terms` per microbatch (when a loss is on) and
+    :meth:`after_backward` once per step, checkpoints :meth:`state_dict`."""
+
+    def __init__(
+        self,
+        layers: Mapping[int, MoE],
+        *,
+        aux_loss_weight: float = 0.0,
+        z_loss_weight: float = 0.0,
+        bias_update_rate: float = 0.0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.blocks = list(layers)
+        """The blocks (their indices) whose feed-forward networks are mixtures of experts."""
+        self.layers = list(layers.values())
+        self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
+        self.bias_update_rate = bias_update_rate
+        self.group = group
+        """The data-parallel ranks the loads are summed over; None: this process's alone."""
+        self.load: torch.Tensor | None = None
+        """The last step's tokens per expert, ``[layers, experts]``, summed over ranks once
+        :meth:`metrics` or the bias update reduced them."""
+        self._reduced = False
+
+    @classmethod
+    def of(cls, model: nn.Module, config: Any) -> Balance | None:
+        """The balancing of ``model`` with ``[model]`` ``config``'s settings, its loads not
+        reduced until :attr:`group` is set (several processes); None for a model without
+        experts."""
+        layers = {i: b.moe for i, b in enumerate(model.layers) if getattr(b, "moe", None)}
+        if not layers:
+            return None
+        return cls(
+            layers,
+            aux_loss_weight=config.moe_aux_loss_weight,
+            z_loss_weight=config.moe_z_loss_weight,
+            bias_update_rate=config.moe_bias_update_rate,
+        )
+
+    @property
+    def has_losses(self) -> bool:
+        """Whether a loss term is on (else :meth:`terms` is never called)."""
+        return self.aux_loss_weight > 0 or self.z_loss_weight > 0
+
+    def stats(self) -> list[RouterStats]:
+        """Each layer's router statistics of the last training forward, in block order."""
+        return [m.stats for m in self.layers if m.stats is not None]
+
+    def terms(self, ctx: Any) -> dict[str, torch.Tensor]:
+        """The loss terms of microbatch ``ctx`` (a ``LossContext``): its share of the step's
+        weighted losses, averaged over its layers (``ctx.router``)."""
+        share = 1.0 / ctx.num_microbatches
+        out = {}
+        if self.aux_loss_weight > 0:
+            aux = torch.stack([load_balancing_loss(s) for s in ctx.router]).mean()
+            out["aux_loss"] = self.aux_loss_weight * share * aux
+        if self.z_loss_weight > 0:
+            z = torch.stack([router_z_loss(s) for s in ctx.router]).mean()
+            out["router_z_loss"] = self.z_loss_weight * share * z
+        return out
+
+    def after_backward(self) -> None:
+        """Take the step's tokens per expert off the layers (zeroing their counts) and, with a
+        rate, sum them over the ranks and move every layer's bias: on the device."""
+        self.load = torch.stack([m.tokens_per_expert.clone() for m in self.layers])
+        self._reduced = False
+        for m in self.layers:
+            m.tokens_per_expert.zero_()
+        if self.bias_update_rate > 0:
+            load = self._global_load()
+            for m, layer_load in zip(self.layers, load, strict=True):
+                update_bias(m.router.expert_bias, layer_load, self.bias_update_rate)
+
+    def _global_load(self) -> torch.Tensor:
+        assert self.load is not None, "after_backward takes the loads first"
+        if not self._reduced and self.group is not None:
+            dist.all_reduce(self.load, group=self.group)
+        self._reduced = True
+        return self.load
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The last step's load metrics, on the device (a collective over the ranks, unless the
+        bias update already made it): each block's ``imbalance.<i>`` (max over mean tokens
+        per expert), ``max_tokens.<i>``, ``min_tokens.<i>``, and the worst ``imbalance``."""
+        if self.load is None:
+            return {}
+        load = self._global_load().float()
+        imbalance = load.max(dim=1).values / load.mean(dim=1)
+        out = {"imbalance": imbalance.max()}
+        for block, row, ratio in zip(self.blocks, load, imbalance, strict=True):
+            out |= {
+                f"imbalance.{block}": ratio,
+                f"max_tokens.{block}": row.max(),
+                f"min_tokens.{block}": row.min(),
+            }
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every layer's selection bias, ``[layers, experts]`` (the same on every rank)."""
+        return {"expert_bias": torch.stack([m.router.expert_bias for m in self.layers])}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        for m, bias in zip(self.layers, state_dict["expert_bias"], strict=True):
+            m.router.expert_bias.copy_(bias)
