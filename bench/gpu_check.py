@@ -20,6 +20,10 @@ Parts, most valuable first, so that what matters most is done when the budget ru
    fine-tuning fits one 80 GB GPU, then LoRA and QLoRA with all 32: the peak while building,
    the steps' peak, the weights and AdamW's state held, the memory estimate, tokens/s. The
    verdict checks that the NF4 base really holds about half a byte a value.
+6. The moe family's routed experts at a Qwen3-30B-A3B layer's shape (``bench/moe.py``'s
+   ``grouped_vs_loop``: 128 experts, 4096 tokens routed top-8, dim 2048, expert hidden 768,
+   bf16): ``F.grouped_mm`` against the loop over experts, forward and backward, taking turns,
+   and whether the two are bitwise equal on the GPU.
 
 The benchmark parts run one after another in a worker process, which a crash or an overrun
 ends (the next part starts a new one). The JSON report (``--out``) and its Markdown summary
@@ -64,8 +68,8 @@ class Part:
 
     id: str
     kind: str
-    """``throughput``, ``overhead``, ``roofline`` (a throughput with the matmul limit) or
-    ``memory`` (a fine-tuning mode's memory)."""
+    """``throughput``, ``overhead``, ``roofline`` (a throughput with the matmul limit),
+    ``memory`` (a fine-tuning mode's memory) or ``moe`` (grouped GEMM against the loop)."""
     dtype: str
     flavor: str = "1B"
     compile: bool = False
@@ -93,6 +97,7 @@ PARTS = [
     Part("mem-8B-qlora", "memory", "bfloat16", flavor="8B", lora="qlora", layers=8),
     Part("mem-8B32-lora", "memory", "bfloat16", flavor="8B", lora="lora"),
     Part("mem-8B32-qlora", "memory", "bfloat16", flavor="8B", lora="qlora"),
+    Part("moe-30B-A3B-bf16", "moe", "bfloat16", flavor="qwen3_30b_a3b"),
 ]
 """The benchmark parts, in the order they run (after the tests)."""
 ALL_PARTS = ["tests", *(p.id for p in PARTS)]
@@ -162,6 +167,12 @@ def run_part(part: Part, args: argparse.Namespace, peak: float | None) -> dict:
 
     dry = args.dry_run
     flavor = "tiny" if dry else part.flavor
+    if part.kind == "moe":
+        from moe import CPU_LAYER, QWEN3_30B_A3B_LAYER, grouped_vs_loop
+
+        layer = CPU_LAYER if dry else QWEN3_30B_A3B_LAYER
+        dtype = getattr(torch, part.dtype)
+        return grouped_vs_loop(2 if dry else 10, dtype, layer, "cpu" if dry else "cuda")
     if part.kind == "memory":
         assert part.lora is not None
         shape = DRY_SHAPE if dry else shape_args(part.flavor, part.layers)
@@ -508,6 +519,9 @@ def summary_markdown(parts: dict[str, dict], checks: dict[str, dict]) -> str:
         elif "wall" in res:
             ratio = res["wall"]["ratio"]
             cells[3] = f"{ratio['median']:.4f} [{ratio['q1']:.3f}-{ratio['q3']:.3f}]"
+        elif "grouped_vs_loop_time" in res:
+            ratio = res["grouped_vs_loop_time"]["ratio"]
+            cells[3] = f"grouped/loop {ratio['median']:.3f}"
         elif "counts" in r:
             cells[3] = ", ".join(f"{n} {k}" for k, n in r["counts"].items())
         detail = r.get("error") or r.get("reason") or ""
@@ -517,6 +531,8 @@ def summary_markdown(parts: dict[str, dict], checks: dict[str, dict]) -> str:
                 f"{res['optimizer_state_bytes'] / 2**30:.2f} GiB, build peak "
                 f"{res['build_peak_gib']:.1f} GiB, estimate {res['estimate_gib']:.1f} GiB"
             )
+        if "bitwise_equal" in res:
+            detail = f"grouped GEMM bitwise equal to the loop: {res['bitwise_equal']}"
         if "fraction_of_matmul_limit" in res:
             detail = f"{res['fraction_of_matmul_limit']:.1%} of the matmul limit"
         rows.append([part, r["status"], f"{r['seconds']:.0f}", *cells, detail])

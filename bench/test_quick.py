@@ -244,3 +244,14 @@ def test_lora(tmp_path):
     assert ratio["optimizer_state"] == pytest.approx(ratio["trainable"], rel=1e-3)
     assert lora["step_peak_bytes"] < full["step_peak_bytes"]
     assert ratio["step_time"]["ratio"]["n"] == 3
+
+
+def test_moe(tmp_path):
+    results = quick_results("moe", tmp_path)
+    versus = results["moe_vs_dense"]
+    # Equal active parameters but the router's gate (and Qwen3's head norms).
+    assert 0 < versus["moe_active_params"] - versus["dense_params"] < 0.01 * versus["dense_params"]
+    assert versus["moe_total_params"] > 1.5 * versus["moe_active_params"]
+    assert versus["moe_tokens_per_s_vs_dense"]["ratio"]["n"] == 2
+    assert [g["dtype"] for g in results["grouped_vs_loop"]] == ["float32", "bfloat16"]
+    assert all(g["bitwise_equal"] for g in results["grouped_vs_loop"])

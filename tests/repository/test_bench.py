@@ -140,3 +140,14 @@ def test_gpu_check_verdicts_read_the_test_outcomes(gpu_check, tmp_path):
     assert verdicts["bf16_mfu"]["met"] is True
     assert verdicts["fp16_over_bf16_tokens_per_s"]["met"] is False  # 0.96 < 0.97
     assert verdicts["hook_overhead_1B_bf16"] == {"target": "<= 1.01", "value": None, "met": None}
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_times_the_moe_experts(gpu_check, tmp_path):
+    code, record = gpu_check("--dry-run", "--parts", "moe-30B-A3B-bf16")
+    assert code == 0
+    part = record["results"]["parts"]["moe-30B-A3B-bf16"]
+    assert part["status"] == "ok" and part["result"]["bitwise_equal"] is True
+    assert part["result"]["dtype"] == "bfloat16"
+    assert part["result"]["shape"]["experts"] == 8  # the dry run's small CPU layer
+    assert "grouped/loop " in (tmp_path / "gpu_check.md").read_text()
