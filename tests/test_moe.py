@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from plugtrain.cli import main
 from plugtrain.config import ModelConfig
-from plugtrain.errors import ConfigError
+from plugtrain.errors import CheckpointError, ConfigError
 from plugtrain.model import MOE, Checkpointing, model_spec
 from plugtrain.model.moe import FLAVORS, MoE, MoEArgs, MoETransformer, moe_layers
 from plugtrain.testing import make_trainer, read_metrics, tiny_args
@@ -49,6 +50,14 @@ def test_the_mixture_equals_its_per_token_loop_and_counts_its_tokens():
     moe.eval()
     moe(x)
     assert moe.stats is None and moe.tokens_per_expert.sum() == 48  # training forwards only
+
+
+def test_a_recomputed_forward_counts_nothing_again():
+    moe = _moe()
+    x = torch.randn(10, 16, requires_grad=True)
+    with set_checkpoint_early_stop(False):  # the whole forward again in the backward
+        checkpoint(moe, x, use_reentrant=False).sum().backward()
+    assert moe.tokens_per_expert.sum() == 20 and moe.stats.counts.sum() == 20
 
 
 def test_the_bias_moves_the_choice_and_not_the_weights():
@@ -187,3 +196,62 @@ def test_args_refuse_top_k_over_the_experts():
                 top_k=3, moe_ffn_dim=8)  # fmt: skip
     with pytest.raises(ConfigError, match="moe_experts"):
         ModelConfig(family="moe", flavor="debug_moe", moe_experts=-1)
+
+
+def test_activation_checkpointing_changes_neither_the_losses_nor_the_loads(tmp_path):
+    args = ("--model.family", "moe", "--model.flavor", "debug_moe",
+            "--model.moe_bias_update_rate", "0.01")  # fmt: skip
+    runs = []
+    for i, extra in enumerate(([], ["--plugins.enabled", "activation_checkpointing"])):
+        make_trainer(tmp_path / str(i), *args, *extra, steps=2).train()
+        records = [r for r in read_metrics(tmp_path / str(i)) if "loss" in r]
+        runs.append([(r["loss"], r["moe/max_tokens.1"], r["moe/min_tokens.0"]) for r in records])
+    assert runs[0] == runs[1]
+
+
+QWEN3_MOE = {
+    "model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 2048,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"num_experts_per_tok": 9},
+            "config.json describes an unusable model: ValueError: MoEArgs.top_k=9 exceeds "
+            "num_experts=8: a token cannot be routed to more experts than there are; lower top_k",
+        ),
+        (
+            {"model_type": "llama"},
+            "config.json field 'model_type' is 'llama', which plugtrain's model cannot express: "
+            "only Qwen3-MoE models are supported by family 'moe'",
+        ),
+        (
+            {"use_sliding_window": True},
+            "config.json field 'use_sliding_window' is True, which plugtrain's model cannot "
+            "express: attention is global",
+        ),
+        (
+            {"num_experts": None},
+            "config.json has no field 'num_experts': give the config of a Qwen3MoeForCausalLM",
+        ),
+        (
+            {"mlp_only_layers": [0]},
+            "config.json describes an unusable model: ValueError: MoEArgs: block 0 is dense "
+            "(mlp_only_layers, decoder_sparse_step) but ffn_dim is None: set ffn_dim >= 1",
+        ),
+    ],
+)
+def test_a_qwen3_moe_config_the_model_cannot_express_is_one_line(changes, message):
+    config = {k: v for k, v in (QWEN3_MOE | changes).items() if v is not None}
+    with pytest.raises(CheckpointError) as e:
+        MOE.hf.args_from_hf(config)
+    assert str(e.value) == message
+    args = MOE.hf.args_from_hf(QWEN3_MOE | {"num_local_experts": 8})
+    assert (args.num_experts, args.top_k, args.head_dim, args.ffn_dim) == (8, 2, 32, None)
+    assert MOE.hf.args_from_hf(MOE.hf.hf_config(
+        args, dtype=torch.float32, bos_token_id=None, eos_token_id=None)) == args  # fmt: skip

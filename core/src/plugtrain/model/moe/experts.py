@@ -4,7 +4,8 @@ The tokens arrive sorted by expert, ``counts[e]`` rows for expert ``e`` in exper
 that one grouped matrix product (``F.grouped_mm`` with the experts' row offsets) computes every
 expert at once, forward and backward. Where torch has no ``grouped_mm`` a loop over the experts
 computes the same products (bitwise, on CPU), as it does for shapes the grouped kernel refuses
-(float64, or rows not a multiple of 16 bytes). An expert given no token costs nothing.
+(float64, or rows not a multiple of 16 bytes) and, under ``torch.compile``, for dtypes other
+than bf16. An expert given no token costs nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     ``counts`` (int, ``[experts]``) is each expert's number of rows. What ``F.grouped_mm``
     cannot take (see the module doc) runs as a loop, which reads ``counts`` on the host.
     """
-    if HAS_GROUPED_MM and x.dtype != torch.float64 and _aligned(x.shape[-1], weight.shape[-2], x):
+    # NOTE: under torch.compile (2.13) the kernel's fake implementation takes bf16 only.
+    compiled_fp = torch.compiler.is_compiling() and x.dtype != torch.bfloat16
+    grouped = HAS_GROUPED_MM and x.dtype != torch.float64 and not compiled_fp
+    if grouped and _aligned(x.shape[-1], weight.shape[-2], x):
         offsets = counts.cumsum(0, dtype=torch.int32)
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     rows = x.split(counts.tolist())

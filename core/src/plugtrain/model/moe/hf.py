@@ -181,7 +181,7 @@ def model_args_from_hf(config: dict[str, Any]) -> MoEArgs:
             num_experts=experts,
             top_k=config["num_experts_per_tok"],
             moe_ffn_dim=config["moe_intermediate_size"],
-            ffn_dim=config.get("intermediate_size"),
+            ffn_dim=config.get("intermediate_size") or None,  # 0: no dense block (our export)
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             decoder_sparse_step=config.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(config.get("mlp_only_layers") or ()),

@@ -115,10 +115,12 @@ class MoE(nn.Module):
         out = copies.view(-1, self.top_k, shape[-1]).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        self.stats = None
-        if self.training:
-            self.stats = RouterStats(logits, probs, counts, self.top_k)
-            self.tokens_per_expert += counts
+        # Not when activation checkpointing recomputes this forward in the backward: the step's
+        # forward counted its tokens already.
+        if torch._C._current_graph_task_id() == -1:
+            self.stats = RouterStats(logits, probs, counts, self.top_k) if self.training else None
+            if self.training:
+                self.tokens_per_expert += counts
         return out.view(shape)
 
     def init_buffers(self) -> None:
