@@ -169,6 +169,16 @@ def test_a_debug_moe_run_logs_each_blocks_load(tmp_path):
             "model.moe_experts",
         ),
         (
+            ["--model.flavor", "debug_moe"],
+            "config key 'model.flavor' is 'debug_moe', a flavor of family 'moe', but "
+            "model.family is 'llama': set model.family = \"moe\"",
+        ),
+        (
+            ["--model.family", "moe", "--model.flavor", "debug"],
+            "config key 'model.flavor' is 'debug', a flavor of family 'llama', but "
+            "model.family is 'moe': set model.family = \"llama\"",
+        ),
+        (
             ["--model.moe_top_k", "2"],
             "config key 'model.moe_top_k' is 2, but model.family is 'llama', which has no "
             'experts: set model.family = "moe" or leave it unset',

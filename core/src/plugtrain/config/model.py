@@ -87,8 +87,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise unknown_family(self.family)
-        if self.family == "llama":  # another family's flavors are checked when it is loaded
-            self._check_flavor(FLAVORS)
+        # A family not named here has its flavors checked when it is loaded (model_args).
+        if self.family in _FLAVORS:
+            self._check_flavor(_FLAVORS[self.family])
         if self.flavor == "hf":
             for key, default in _SHAPE_OPTIONS.items():
                 check_field(
@@ -131,6 +132,12 @@ class ModelConfig:
 
     def _check_flavor(self, flavors: Iterable[str]) -> None:
         choices = (*flavors, "hf")
+        other = [f for f, names in _FLAVORS.items() if f != self.family and self.flavor in names]
+        if self.flavor not in choices and other:
+            raise ConfigError(
+                f"config key 'model.flavor' is '{self.flavor}', a flavor of family '{other[0]}', "
+                f"but model.family is '{self.family}': set model.family = \"{other[0]}\""
+            )
         if self.flavor not in choices:
             raise ConfigError(
                 f"config key 'model.flavor' is '{self.flavor}'{did_you_mean(self.flavor, choices)};"
@@ -200,6 +207,10 @@ class ModelConfig:
                 "raise model.moe_experts"
             )
         return dataclasses.replace(args, num_experts=experts, top_k=top_k)
+
+
+_FLAVORS = {"llama": FLAVORS, "moe": MOE_FLAVORS}
+"""The flavors of each family, read without torch (``--help``, the config's checks)."""
 
 
 ATTENTION_VARIANTS = {"auto": "sdpa", "causal": "sdpa", "document": "document"}
