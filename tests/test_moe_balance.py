@@ -11,7 +11,7 @@ import torch
 
 from plugtrain.model.moe import FLAVORS, MoE
 from plugtrain.model.moe.balance import Balance, load_balancing_loss, update_bias
-from plugtrain.testing import count_costs, make_trainer, read_metrics
+from plugtrain.testing import count_costs, make_trainer, read_metrics, tiny_run
 
 DEBUG = FLAVORS["debug_moe"]
 WEIGHTS = ("--model.moe_aux_loss_weight", "0.01", "--model.moe_z_loss_weight", "0.001")
@@ -117,3 +117,19 @@ def test_the_bias_is_checkpointed_and_resumed(tmp_path):
     resumed = make_trainer(tmp_path, *args, steps=3)
     assert torch.equal(resumed.runner.balance.state_dict()["expert_bias"], saved)
     resumed.close()
+
+
+@pytest.mark.slow
+def test_two_processes_balance_as_one(tmp_path):
+    """FSDP over 2 processes (each expert stack sharded by expert) gives the 1-process run's
+    losses, aux losses and loads, the bias moved by the loads summed over both ranks."""
+    args = ("--model.family", "moe", "--model.flavor", "debug_moe", *WEIGHTS,
+            "--model.moe_bias_update_rate", "0.01")  # fmt: skip
+    one = tiny_run(tmp_path / "one", *args, steps=5)
+    two = tiny_run(tmp_path / "two", *args, steps=5, world_size=2)
+    assert two.losses == pytest.approx(one.losses, rel=1e-5)
+    for a, b in zip(one.metrics, two.metrics, strict=True):
+        assert b["moe/aux_loss"] == pytest.approx(a["moe/aux_loss"], rel=1e-5)
+        assert [b[f"moe/max_tokens.{i}"] for i in (0, 1)] == [
+            a[f"moe/max_tokens.{i}"] for i in (0, 1)
+        ]

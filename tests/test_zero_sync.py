@@ -21,8 +21,8 @@ DECLARED = {
     "grad_clip bf16": {"_c10d_functional.all_reduce": 1},
     # and the scaler's found_inf, reduced by DTensor inside its unscale kernel
     "grad_clip+grad_scaler fp16": {"_c10d_functional.all_reduce": 2},
-    # the experts' loads summed over the ranks for the bias update
-    "moe balanced fp32": {"c10d.allreduce_": 1},
+    # the experts' loads summed over the ranks: for the aux loss's f, for the bias update
+    "moe balanced fp32": {"c10d.allreduce_": 2},
 }
 """The collectives each case adds to the core's per non-logging step, as the plugins declare."""
 CASES = {

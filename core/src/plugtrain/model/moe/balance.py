@@ -6,7 +6,10 @@ Three means, each off by default (``[model] moe_*``):
   sum_e f_e * P_e``, ``f_e`` the fraction of the token copies routed to expert ``e`` (the
   top-k's counts over ``T * top_k``: 1 in all) and ``P_e`` the mean router probability of
   ``e`` over the ``T`` tokens; 1 when balanced. Averaged over the layers, times
-  ``moe_aux_loss_weight``;
+  ``moe_aux_loss_weight``. ``f`` counts the microbatch's tokens on every data-parallel rank
+  (one all-reduce a microbatch; ``P`` is this rank's, which the gradients' mean over the ranks
+  averages): the loss is the global batch's (Qwen's global-batch balancing), the same on 1
+  process as on N, not a mean of each rank's, which would depend on the split;
 * the **router z-loss** (ST-MoE's): the mean over the tokens of the squared log-sum-exp of the
   router logits, averaged over the layers, times ``moe_z_loss_weight``;
 * DeepSeek-V3's **auxiliary-loss-free bias**: after each step's backward every layer's
@@ -37,11 +40,13 @@ from plugtrain.model.moe.layer import MoE, RouterStats
 __all__ = ["Balance", "load_balancing_loss", "router_z_loss", "update_bias"]
 
 
-def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
+def load_balancing_loss(stats: RouterStats, counts: torch.Tensor | None = None) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` of one layer's routing (see the module docstring), fp32, in the
-    autograd graph through ``P`` (the counts ``f`` are not differentiable)."""
+    autograd graph through ``P`` (the counts ``f`` are not differentiable); ``counts``, the
+    tokens per expert ``f`` is taken from (default: ``stats.counts``, this process's)."""
     experts = stats.probs.shape[-1]
-    fraction = stats.counts.float() / stats.counts.sum()
+    counts = stats.counts if counts is None else counts
+    fraction = counts.float() / counts.sum()
     return experts * (fraction * stats.probs.mean(dim=0)).sum()
 
 
@@ -115,7 +120,11 @@ class Balance:
         share = 1.0 / ctx.num_microbatches
         out = {}
         if self.aux_loss_weight > 0:
-            aux = torch.stack([load_balancing_loss(s) for s in ctx.router]).mean()
+            counts = torch.stack([s.counts for s in ctx.router])
+            if self.group is not None:  # f of the microbatch on every rank: see the docstring
+                dist.all_reduce(counts, group=self.group)
+            losses = [load_balancing_loss(s, c) for s, c in zip(ctx.router, counts, strict=True)]
+            aux = torch.stack(losses).mean()
             out["aux_loss"] = self.aux_loss_weight * share * aux
         if self.z_loss_weight > 0:
             z = torch.stack([router_z_loss(s) for s in ctx.router]).mean()
