@@ -83,24 +83,29 @@ class MoEBlock(nn.Module):
             (attn.k_norm.weight, init_ones),
             (self.ffn_norm.weight, init_ones),
         ]
-        swiglus: list[nn.Module] = []
         if self.moe is not None:
+            experts, shared = self.moe.experts, self.moe.shared_experts
             plan.append((self.moe.router.gate.weight, init_trunc_normal(0.02)))
-            swiglus.append(self.moe.experts)
-            if self.moe.shared_experts is not None:
-                swiglus.append(self.moe.shared_experts)
+            plan += _swiglu_plan(experts.w1, experts.w3, experts.w2, out_std)
+            if shared is not None:
+                plan += _swiglu_plan(shared.w1.weight, shared.w3.weight, shared.w2.weight, out_std)
         else:
-            assert self.feed_forward is not None
-            swiglus.append(self.feed_forward)
-        for ffn in swiglus:
-            w1, w3, w2 = (getattr(ffn, n) for n in ("w1", "w3", "w2"))
-            w1, w3, w2 = (w if isinstance(w, nn.Parameter) else w.weight for w in (w1, w3, w2))
-            plan += [
-                (w1, init_trunc_normal(0.02)),
-                (w3, init_trunc_normal(0.02)),
-                (w2, init_trunc_normal(out_std)),
-            ]
+            ffn = self.feed_forward
+            assert ffn is not None
+            plan += _swiglu_plan(ffn.w1.weight, ffn.w3.weight, ffn.w2.weight, out_std)
         return plan
+
+
+def _swiglu_plan(
+    w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter, out_std: float
+) -> list[tuple[nn.Parameter, Fill]]:
+    """A SwiGLU's (or stacked experts') matrices as Llama draws its feed-forward network's:
+    ``w1``, ``w3`` std 0.02, ``w2`` (into the residual stream) ``out_std``."""
+    return [
+        (w1, init_trunc_normal(0.02)),
+        (w3, init_trunc_normal(0.02)),
+        (w2, init_trunc_normal(out_std)),
+    ]
 
 
 class MoETransformer(Transformer):
