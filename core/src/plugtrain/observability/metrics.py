@@ -11,6 +11,11 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (
 ``<plugin>/<key>``                a plugin's ``step_metrics`` (e.g. ``grad_clip/grad_norm``);
                                   only core keys have no ``/``; on the console only those the
                                   plugin chose (``SetupContext.show_on_console``)
+``moe/<key>``                     family ``moe`` (``model.moe.balance``): each expert block's
+                                  load ``imbalance.<block>`` (max over mean tokens per expert,
+                                  summed over ranks), ``max_tokens.<block>``,
+                                  ``min_tokens.<block>``, the worst ``imbalance``; and the
+                                  ``aux_loss`` and ``router_z_loss`` terms when on
 ``tokens_per_sec``                training tokens per second over all ranks [``tok/s``]
 ``tokens_per_sec_per_rank``       the same per rank
 ``tflops``                        achieved model TFLOP/s per rank (``ModelArgs.flops_per_token``)
