@@ -144,7 +144,10 @@ def test_the_estimate_holds_every_expert_and_the_active_activations():
 
 
 def test_a_debug_moe_run_logs_each_blocks_load(tmp_path):
-    trainer = make_trainer(tmp_path, "--model.family", "moe", "--model.flavor", "debug_moe")
+    trainer = make_trainer(
+        tmp_path, "--model.family", "moe", "--model.flavor", "debug_moe",
+        "--metrics.moe_tokens_per_expert", "true",
+    )  # fmt: skip
     trainer.train()
     records = [r for r in read_metrics(tmp_path) if "loss" in r]
     assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
@@ -154,6 +157,8 @@ def test_a_debug_moe_run_logs_each_blocks_load(tmp_path):
             high, low = record[f"moe/max_tokens.{block}"], record[f"moe/min_tokens.{block}"]
             assert record[f"moe/imbalance.{block}"] == pytest.approx(high / mean)
             assert 0 <= low <= mean <= high
+            experts = [record[f"moe/tokens_per_expert.{block}.{e}"] for e in range(8)]
+            assert sum(experts) == 8 * mean and (min(experts), max(experts)) == (low, high)
         assert record["moe/imbalance"] == max(record[f"moe/imbalance.{b}"] for b in (0, 1))
     assert "moe/aux_loss" not in records[0]  # the losses are off by default
     assert all(m.tokens_per_expert.sum() == 0 for m in moe_layers(trainer.model))

@@ -34,6 +34,11 @@ class MetricsConfig:
     ``mfu_matmul_pct``."""
     log_all_ranks: bool = False
     """Log INFO from every rank, prefixed with its rank (by default only rank 0 does)."""
+    moe_tokens_per_expert: bool = False
+    """Family ``moe``: log every expert's tokens of the step, summed over ranks, as
+    ``moe/tokens_per_expert.<block>.<expert>`` (blocks x experts values a record: 6144 for
+    ``qwen3_30b_a3b``); off, each block's ``moe/imbalance``, ``max_tokens`` and ``min_tokens``
+    only."""
 
     def __post_init__(self) -> None:
         check_field(self.log_freq >= 1, "log_freq", f"must be >= 1, got {self.log_freq}")

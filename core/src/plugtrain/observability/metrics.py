@@ -14,8 +14,10 @@ JSON object to ``<dump_folder>/metrics.jsonl`` and a short line to the console (
 ``moe/<key>``                     family ``moe`` (``model.moe.balance``): each expert block's
                                   load ``imbalance.<block>`` (max over mean tokens per expert,
                                   summed over ranks), ``max_tokens.<block>``,
-                                  ``min_tokens.<block>``, the worst ``imbalance``; and the
-                                  ``aux_loss`` and ``router_z_loss`` terms when on
+                                  ``min_tokens.<block>``, the worst ``imbalance``, every
+                                  expert's ``tokens_per_expert.<block>.<expert>`` with
+                                  ``metrics.moe_tokens_per_expert``; and the ``aux_loss`` and
+                                  ``router_z_loss`` terms when on
 ``tokens_per_sec``                training tokens per second over all ranks [``tok/s``]
 ``tokens_per_sec_per_rank``       the same per rank
 ``tflops``                        achieved model TFLOP/s per rank (``ModelArgs.flops_per_token``)

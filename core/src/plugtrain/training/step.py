@@ -44,7 +44,7 @@ class StepRunner:
     ) -> None:
         self.model, self.host, self.hook = model, host, host.hook
         self.sync_replicas, self.timer = sync_replicas, timer
-        self.balance = Balance.of(model, ctx.config.model)
+        self.balance = Balance.of(model, ctx.config.model, ctx.config.metrics.moe_tokens_per_expert)
         """The load balancing of the model's mixture-of-experts layers; None without any."""
         if self.balance is not None and ctx.parallel_dims.world_size > 1:
             self.balance.group = data_parallel_group(ctx.parallel_dims)

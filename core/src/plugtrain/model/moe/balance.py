@@ -23,7 +23,8 @@ each microbatch's forward left (``RouterStats``, also given to plugins' ``loss_t
 microbatches, as the cross-entropy's. The loads of each step (tokens per expert, summed over
 ranks) give the metrics of a logging step, ``moe/imbalance.<block>`` (max over mean) and
 ``moe/max_tokens.<block>``, ``moe/min_tokens.<block>``, and ``moe/imbalance`` (the worst
-block's), read with the record's other values.
+block's), read with the record's other values; with ``[metrics] moe_tokens_per_expert``
+every expert's, ``moe/tokens_per_expert.<block>.<expert>``.
 """
 
 from __future__ import annotations
@@ -77,12 +78,13 @@ class Balance:
         z_loss_weight: float = 0.0,
         bias_update_rate: float = 0.0,
         group: dist.ProcessGroup | None = None,
+        per_expert: bool = False,
     ) -> None:
         self.blocks = list(layers)
         """The blocks (their indices) whose feed-forward networks are mixtures of experts."""
         self.layers = list(layers.values())
         self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
-        self.bias_update_rate = bias_update_rate
+        self.bias_update_rate, self.per_expert = bias_update_rate, per_expert
         self.group = group
         """The data-parallel ranks the loads are summed over; None: this process's alone."""
         self.load: torch.Tensor | None = None
@@ -91,10 +93,10 @@ class Balance:
         self._reduced = False
 
     @classmethod
-    def of(cls, model: nn.Module, config: Any) -> Balance | None:
-        """The balancing of ``model`` with ``[model]`` ``config``'s settings, its loads not
-        reduced until :attr:`group` is set (several processes); None for a model without
-        experts."""
+    def of(cls, model: nn.Module, config: Any, per_expert: bool = False) -> Balance | None:
+        """The balancing of ``model`` with ``[model]`` ``config``'s settings (``per_expert``:
+        :meth:`metrics` gives every expert's load), its loads not reduced until :attr:`group`
+        is set (several processes); None for a model without experts."""
         layers = {i: b.moe for i, b in enumerate(model.layers) if getattr(b, "moe", None)}
         if not layers:
             return None
@@ -103,6 +105,7 @@ class Balance:
             aux_loss_weight=config.moe_aux_loss_weight,
             z_loss_weight=config.moe_z_loss_weight,
             bias_update_rate=config.moe_bias_update_rate,
+            per_expert=per_expert,
         )
 
     @property
@@ -153,18 +156,22 @@ class Balance:
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last step's load metrics, on the device (a collective over the ranks, unless the
         bias update already made it): each block's ``imbalance.<i>`` (max over mean tokens
-        per expert), ``max_tokens.<i>``, ``min_tokens.<i>``, and the worst ``imbalance``."""
+        per expert), ``max_tokens.<i>``, ``min_tokens.<i>``, the worst ``imbalance``, and with
+        :attr:`per_expert` every expert's ``tokens_per_expert.<i>.<e>``."""
         if self.load is None:
             return {}
-        load = self._global_load().float()
+        counts = self._global_load()
+        load = counts.float()
         imbalance = load.max(dim=1).values / load.mean(dim=1)
         out = {"imbalance": imbalance.max()}
-        for block, row, ratio in zip(self.blocks, load, imbalance, strict=True):
+        for block, row, ratio in zip(self.blocks, counts, imbalance, strict=True):
             out |= {
                 f"imbalance.{block}": ratio,
                 f"max_tokens.{block}": row.max(),
                 f"min_tokens.{block}": row.min(),
             }
+            if self.per_expert:
+                out |= {f"tokens_per_expert.{block}.{e}": n for e, n in enumerate(row.unbind())}
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
