@@ -62,7 +62,7 @@ def test_config_names_a_shipped_config_from_any_folder(tmp_path, monkeypatch):
         merged_values(parse_command_line(["--config", "debgu"]))
     assert str(e.value) == (
         "config file 'debgu' not found: pass an existing file to --config, or the name of a "
-        "shipped config (chat_debug, debug, dpo_debug, llama3_70b, llama3_8b)"
+        "shipped config (chat_debug, debug, dpo_debug, llama3_70b, llama3_8b, qwen3_30b_a3b)"
     )
 
 
