@@ -6,8 +6,9 @@ Plain ``python train.py`` runs as a world of one process (a private in-memory st
 CPU uses the gloo backend, CUDA uses NCCL. One device mesh is built, its dimensions those in use:
 ``("dp_shard",)`` for FSDP over every rank, ``("dp_replicate", "dp_shard")`` for hybrid sharding
 (``[parallelism]``), ``("dp_replicate", "dp_shard", "tp")`` with tensor parallelism (the ``tp``
-ranks consecutive: the GPUs of one node). Each named dimension, and the data-parallel one
-(``"dp"``: every dimension but ``tp``), is sliced from it.
+ranks consecutive: the GPUs of one node), ``("dp_shard_mod_ep", "ep")`` with expert parallelism
+(``dp_shard`` their flattening: the ``ep`` ranks consecutive). Each named dimension, and the
+data-parallel one (``"dp"``: every dimension but ``tp``), is sliced from it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ from plugtrain.errors import ConfigError
 
 DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 """The named parallel dimensions, outermost first. ``ep`` (expert parallelism) is carved out of
-``dp_shard``: its ranks are the innermost ``ep`` of a ``dp_shard`` group. ``pp``, ``ep`` and
-``cp`` have no config keys yet and are always 1."""
+``dp_shard``: its ranks are the innermost ``ep`` of a ``dp_shard`` group. ``pp`` and ``cp``
+have no config keys yet and are always 1."""
+
+EXPERT_SHARD = "dp_shard_mod_ep"
+"""The mesh dimension, under expert parallelism, of the ``dp_shard / ep`` ranks that hold the
+same experts: FSDP shards the experts over it (torchtitan's name)."""
 
 
 CPU = torch.device("cpu")
@@ -39,6 +44,7 @@ class Degrees(Protocol):
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,8 @@ class ParallelDims:
     pp: int = 1
     """Pipeline stages (not supported yet: 1)."""
     ep: int = 1
-    """Expert-parallel degree, a divisor of ``dp_shard`` (not supported yet: 1)."""
+    """Expert-parallel degree, a divisor of ``dp_shard``: the ranks that split each layer's
+    routed experts."""
     cp: int = 1
     """Context-parallel degree (not supported yet: 1)."""
     rank: int = 0
@@ -77,8 +84,8 @@ class ParallelDims:
     def __post_init__(self) -> None:
         if self.dp_shard % self.ep:
             raise ConfigError(
-                f"ep = {self.ep} does not divide dp_shard = {self.dp_shard}: expert parallelism "
-                f"is carved out of dp_shard: choose an ep that divides it"
+                f"parallelism.ep = {self.ep} does not divide dp_shard = {self.dp_shard} (expert "
+                f"parallelism is carved out of dp_shard): choose an ep that divides {self.dp_shard}"
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
@@ -150,7 +157,8 @@ class ParallelDims:
         shards over: ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` under HSDP.
 
         A dimension that is not in this run's mesh (``tp`` without tensor parallelism,
-        ``dp_replicate`` without HSDP, ``pp``, ``ep``, ``cp``) is refused in one line.
+        ``dp_replicate`` without HSDP, ``ep`` without expert parallelism, ``pp``, ``cp``) is
+        refused in one line. Under expert parallelism there is also :data:`EXPERT_SHARD`.
         """
         if self.root is None:
             raise ValueError(
@@ -158,6 +166,10 @@ class ParallelDims:
                 f"(a unit-test context); use a real run (plugtrain.testing.tiny_run)"
             )
         names = self.root.mesh_dim_names or ()
+        if self.ep_enabled and name in ("dp", "dp_shard"):
+            # The flattening _device_mesh made (returned again, not made anew): slicing a
+            # flattened name from the root warns of its deprecation.
+            return self.root[(EXPERT_SHARD, "ep")]._flatten("dp_shard")
         if name == "dp":
             data_parallel = tuple(n for n in names if n != "tp")
             return self.root if data_parallel == names else self.root[data_parallel]
@@ -229,26 +241,34 @@ def parallel_dims(
     local_rank: int = 0,
     device: torch.device = CPU,
     pp: int = 1,
-    ep: int = 1,
     cp: int = 1,
 ) -> ParallelDims:
     """The :class:`ParallelDims` of ``degrees`` (the ``[parallelism]`` section) on ``world_size``
     ranks, without a mesh: the degrees checked as :func:`mesh_shape` checks them, ``dp_shard``
-    resolved. ``pp``, ``ep`` and ``cp`` above 1 are refused in one line (not supported yet)."""
-    for name, degree in (("pp", pp), ("ep", ep), ("cp", cp)):
+    resolved. ``pp`` and ``cp`` above 1 are refused in one line (not supported yet), as is
+    expert parallelism with tensor parallelism or HSDP (not composed yet)."""
+    for name, degree in (("pp", pp), ("cp", cp)):
         if degree > 1:
             raise ConfigError(
                 f"{name} = {degree}: this parallel dimension is not supported yet; leave it at 1"
             )
+    ep = degrees.ep
+    for name, degree in (("tp", degrees.tp), ("dp_replicate", degrees.dp_replicate)):
+        if ep > 1 and degree > 1:
+            raise ConfigError(
+                f"parallelism.ep = {ep} with {name} = {degree}: expert parallelism does not "
+                f"compose with {name} yet; set parallelism.{name} = 1, or ep = 1"
+            )
     shape = mesh_shape(world_size, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
     dp_shard = shape[1] if len(shape) == 3 else shape[-1]
     return ParallelDims(
-        degrees.dp_replicate, dp_shard, degrees.tp, rank=rank, local_rank=local_rank, device=device
-    )
+        degrees.dp_replicate, dp_shard, degrees.tp, ep=ep, rank=rank, local_rank=local_rank,
+        device=device,
+    )  # fmt: skip
 
 
 def init_parallel_dims(
-    device_choice: str, degrees: Degrees, *, pp: int = 1, ep: int = 1, cp: int = 1
+    device_choice: str, degrees: Degrees, *, pp: int = 1, cp: int = 1
 ) -> ParallelDims:
     """Join (or, for a plain ``python`` launch, create) the process group and build the job's
     :class:`ParallelDims` from ``degrees`` (the ``[parallelism]`` section), with its one mesh:
@@ -273,18 +293,29 @@ def init_parallel_dims(
         local_rank=local_rank,
         device=device,
         pp=pp,
-        ep=ep,
         cp=cp,
     )
-    # One mesh, sliced: FSDP2 over the data-parallel slice of parameters that tensor
-    # parallelism made DTensors over the "tp" slice needs both to share their root.
+    return dataclasses.replace(dims, root=_device_mesh(dims, device.type))
+
+
+def _device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The job's one mesh, sliced: FSDP2 over the data-parallel slice of parameters that
+    tensor (or expert) parallelism made DTensors over the "tp" (or "ep") slice needs both to
+    share their root."""
+    if dims.ep_enabled:
+        # The experts: FSDP over EXPERT_SHARD, split over "ep"; the dense parameters: FSDP over
+        # both, flattened into "dp_shard" (the same ranks, in the same order, as without EP).
+        names = (EXPERT_SHARD, "ep")
+        root = init_device_mesh(
+            device_type, (dims.dp_shard // dims.ep, dims.ep), mesh_dim_names=names
+        )
+        root[names]._flatten("dp_shard")
+        return root
     names = ("dp_replicate", "dp_shard", "tp")
     if not dims.tp_enabled:
         names = names[:2] if dims.dp_replicate_enabled else ("dp_shard",)
     shape = tuple(dims.size(name) for name in names)
-    return dataclasses.replace(
-        dims, root=init_device_mesh(device.type, shape, mesh_dim_names=names)
-    )
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def all_reduce_mean(values: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -86,6 +86,7 @@ __all__ = [
     "data_parallel_group",
     "encode_tasks",
     "full_tensor",
+    "grouped_by_mesh",
     "hookimpl",
     "local_tensor",
     "read_task",
@@ -680,12 +681,29 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Ten
     A 0-d fp32 tensor on the device, the same on every rank, as ``clip_grad_norm_`` computes it
     on the unsharded model; inf or nan if any element is. Nothing is read on the host. Under
     HSDP it is computed over the shards of one replica, then made the same on every replica
-    (:func:`reduce_over_replicas`: a no-op when their gradients are equal, as they are).
+    (:func:`reduce_over_replicas`: a no-op when their gradients are equal, as they are). Under
+    expert parallelism the experts' norm (over their mesh) and the rest's are combined, each
+    counted once (Automodel #3816: a norm per EP group; SpecForge #882: replicas summed).
     """
-    # On DTensor gradients the norm is a DTensor that may still be partial over ranks
-    # (Partial(max) for inf): full_tensor() all-reduces it into the global norm.
-    norm = full_tensor(torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True))
-    return reduce_over_replicas(norm, tensors[0]) if tensors else norm
+    if not tensors:
+        return full_tensor(torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True))
+    norms = []
+    for group in grouped_by_mesh(tensors):
+        # On DTensor gradients the norm is a DTensor that may still be partial over ranks
+        # (Partial(max) for inf): full_tensor() all-reduces it into the global norm.
+        norm = full_tensor(torch.nn.utils.get_total_norm(group, norm_type, foreach=True))
+        norms.append(reduce_over_replicas(norm, group[0]))
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def grouped_by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by the device mesh they are DTensors over (plain tensors together),
+    in the order first met: one group but under expert parallelism, whose experts have a mesh
+    of their own. DTensor ops over several tensors (a norm, a foreach kernel) need one mesh."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    return list(groups.values())
 
 
 # --------------------------------------------------------------------------- run control

@@ -1,4 +1,4 @@
-"""The [parallelism] section: how the ranks shard the model: FSDP, HSDP, tensor parallelism."""
+"""The [parallelism] section: how the ranks shard the model: FSDP, HSDP, TP and EP."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from plugtrain.errors import check_field
 
 @dataclass
 class ParallelismConfig:
-    """How the ranks split the model: FSDP or HSDP, each with or without tensor parallelism."""
+    """How the ranks split the model: FSDP or HSDP, with or without TP; FSDP with EP."""
 
     # Every data-parallel rank trains on its own slice of each batch (a tp group's ranks share
     # one): the degrees decide where each parameter's shards live. Their product is the world
@@ -27,6 +27,13 @@ class ParallelismConfig:
     is the world size. It must divide the heads, key/value heads, FFN hidden size and
     ``training.seq_len`` (sequence parallelism splits the norms' tokens). 1: no tensor
     parallelism."""
+    ep: int = 1
+    """Expert-parallel degree, carved out of ``dp_shard`` (torchtitan's dp2ep): each group of
+    ``ep`` consecutive ranks splits every layer's routed experts (a model with experts:
+    ``model.family = "moe"``) and sends each token to its expert's rank and back; the
+    experts are FSDP-sharded over the other ``dp_shard / ep`` ranks, the dense parameters over
+    all of them. It must divide ``dp_shard`` and the number of experts. 1: no expert
+    parallelism."""
 
     def __post_init__(self) -> None:
         check_field(
@@ -38,3 +45,4 @@ class ParallelismConfig:
             f"must be >= 1, or -1 for the rest of the ranks, got {self.dp_shard}",
         )
         check_field(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        check_field(self.ep >= 1, "ep", f"must be >= 1, got {self.ep}")

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from plugtrain.model.conversion import conversion_of
 from plugtrain.model.init import fill_parameter, initialize
+from plugtrain.model.moe.expert_parallel import parallelize_experts, shard_experts
 from plugtrain.model.spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,19 +33,27 @@ def needs_sharding(world_size: int, param_dtype: torch.dtype, reduce_dtype: torc
 
 
 def shard_model(
-    model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    experts_mesh: DeviceMesh | None = None,
 ) -> MixedPrecisionPolicy:
     """Apply FSDP2 to each transformer block, then to the root; return the policy used.
 
     A 1-D ``mesh`` shards every parameter over all its ranks (FSDP); a 2-D one,
     ``("dp_replicate", "dp_shard")``, shards it within each row and keeps one copy per row
     (HSDP: gradients are reduce-scattered within a row, then all-reduced across rows).
+    Under expert parallelism the routed experts are sharded first, over ``experts_mesh``
+    (``model.moe.expert_parallel.shard_experts``).
     Nothing is applied where :func:`needs_sharding` says there is nothing to do: the
     parameters then stay plain tensors.
     """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if not needs_sharding(mesh.size(), param_dtype, reduce_dtype):
         return policy
+    if experts_mesh is not None:
+        shard_experts(model, experts_mesh, policy, mesh.size() // experts_mesh.size())
     ignored: set[nn.Parameter] | None = None
     if mesh.size(mesh.ndim - 1) == 1:
         # NOTE: FSDP2 (torch 2.13) unshards on one shard by copying a parameter's first
@@ -100,10 +109,12 @@ def build_model(
     transform: Callable[[nn.Module], None] | None = None,
     init_weights: bool = True,
     tp_mesh: DeviceMesh | None = None,
+    ep_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
 ) -> nn.Module:
     """Build family ``spec``'s model of shape ``args`` on the meta device, ``transform`` it,
-    split it over ``tp_mesh`` (its TP plan, if given), shard it over ``mesh``, then materialise
-    and initialise it (its init plan).
+    split it over ``tp_mesh`` (its TP plan, if given), split its experts over the first of
+    ``ep_meshes`` (``ep``, if given) and shard them over the second (``dp_shard_mod_ep``),
+    shard the rest over ``mesh``, then materialise and initialise it (its init plan).
 
     ``transform`` (the plugins' model hooks) sees the unsharded model on the meta device and
     changes it in place; the parameters a plugin added there (``model/conversion.py``) are
@@ -121,8 +132,12 @@ def build_model(
     if tp_mesh is not None:
         with conversion.tensor_parallel(model, tp_mesh):
             spec.parallelize(model, tp_mesh)
+    experts_mesh = None
+    if ep_meshes is not None:
+        parallelize_experts(model, ep_meshes[0])
+        experts_mesh = ep_meshes[1]
     conversion.store_meta(model)
-    shard_model(model, mesh, param_dtype, reduce_dtype)
+    shard_model(model, mesh, param_dtype, reduce_dtype, experts_mesh)
     model.to_empty(device=device)
     # The parameters a plugin added come after the family's own, whose draws they leave as
     # they are without the plugin.

@@ -32,6 +32,7 @@ from plugtrain.plugin import (
     SetupContext,
     StepContext,
     check_field,
+    grouped_by_mesh,
     hookimpl,
     reduce_over_replicas,
 )
@@ -141,10 +142,13 @@ class GradScaler:
         # Under HSDP that all-reduce covers the shards of one replica only (DTensor takes the
         # replicas' gradients to be equal): reduce_over_replicas makes the flag the same on
         # every replica even if one's gradients went bad after FSDP2's all-reduce.
+        # Under expert parallelism the experts' gradients are on a mesh of their own: one
+        # kernel (and one all-reduce, over every rank) per mesh, into the same flag.
         inv_scale = self._active().double().reciprocal().float()
         self.found_inf.zero_()
         grads = ctx.gradients()
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+        for group in grouped_by_mesh(grads):
+            torch._amp_foreach_non_finite_check_and_unscale_(group, self.found_inf, inv_scale)
         reduce_over_replicas(self.found_inf, grads[0])
 
     @hookimpl

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["GroupedExperts", "grouped_matmul"]
 
@@ -64,6 +65,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: ``[tokens, dim]``, ``counts[e]`` rows for each local expert ``e`` in order
         (``counts.sum() == tokens``); returns ``[tokens, dim]`` in the same order."""
-        gate = grouped_matmul(x, self.w1, counts)
-        up = grouped_matmul(x, self.w3, counts)
-        return grouped_matmul(F.silu(gate) * up, self.w2, counts)
+        # Under expert parallelism the weights are DTensors split over the experts: the
+        # products run on this rank's experts (``model/moe/expert_parallel.py``).
+        weights = (self.w1, self.w2, self.w3)
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in weights)
+        gate = grouped_matmul(x, w1, counts)
+        up = grouped_matmul(x, w3, counts)
+        return grouped_matmul(F.silu(gate) * up, w2, counts)
