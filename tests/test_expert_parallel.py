@@ -24,7 +24,8 @@ from plugtrain.model.moe.expert_parallel import parallelize_experts
 from plugtrain.model.moe.experts import GroupedExperts
 from plugtrain.model.sharding import shard_model
 from plugtrain.plugin import full_tensor, grouped_by_mesh, total_norm
-from plugtrain.testing import run_distributed
+from plugtrain.testing import run_distributed, tiny_args
+from plugtrain.training import check_world, configure
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 32, 4, 2, 12
 """The stand-in's shape, and each rank's tokens."""
@@ -87,7 +88,7 @@ def ep_model(ep: int) -> tuple[Stack, ParallelDims]:
     dims = init_parallel_dims("cpu", ParallelismConfig(ep=ep))
     with torch.device("meta"):
         model = Stack()
-    parallelize_experts(model, dims.get_mesh("ep"))
+    parallelize_experts(model, dims.get_mesh("ep"), "moe")
     shard_model(
         model, dims.get_mesh("dp"), torch.float32, torch.float32, dims.get_mesh(EXPERT_SHARD)
     )
@@ -188,22 +189,32 @@ def test_the_checkpoint_holds_every_expert_and_loads_on_one_process(layout):
         assert torch.equal(loaded[key], value), key
 
 
-def test_ep_refuses_a_dense_model_and_experts_it_does_not_divide():
+def test_ep_refuses_a_dense_model_and_experts_it_does_not_divide(tmp_path):
     class Mesh:
         def size(self) -> int:
             return 3
 
     with pytest.raises(ConfigError) as refused:
-        parallelize_experts(nn.Linear(2, 2), Mesh())  # type: ignore[arg-type]
+        parallelize_experts(nn.Linear(2, 2), Mesh(), "llama")  # type: ignore[arg-type]
     assert str(refused.value) == (
-        "parallelism.ep = 3 but this model has no routed experts to split (a dense model): "
+        "parallelism.ep = 3 but model.family 'llama' has no routed experts to split: "
         "set model.family = 'moe', or parallelism.ep = 1"
     )
     with pytest.raises(ConfigError) as refused:
-        parallelize_experts(Stack(), Mesh())  # type: ignore[arg-type]
+        parallelize_experts(Stack(), Mesh(), "moe")  # type: ignore[arg-type]
     assert str(refused.value) == (
-        "parallelism.ep = 3 does not divide the model's 4 experts: choose an ep that divides 4"
+        "parallelism.ep = 3 does not divide the model's 4 experts: choose an ep that divides 4 "
+        "(or set model.moe_experts to a multiple of 3)"
     )
+    # A launch checks it before any process starts: one line, exit 2.
+    config, _ = configure(tiny_args(tmp_path, "--parallelism.ep", "2"), "train.py")
+    with pytest.raises(ConfigError) as refused:
+        check_world(config, 2)
+    assert str(refused.value) == (
+        "parallelism.ep = 2 but model.family 'llama' has no routed experts to split: "
+        "set model.family = 'moe', or parallelism.ep = 1"
+    )
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(

@@ -180,6 +180,11 @@ class ParallelDims:
             )
         return self.root if names == (name,) else self.root[name]
 
+    def expert_meshes(self) -> tuple[DeviceMesh, DeviceMesh] | None:
+        """Under expert parallelism, the meshes the experts are split over (``ep``) and
+        FSDP-sharded over (:data:`EXPERT_SHARD`), for ``model.build_model``; else None."""
+        return (self.get_mesh("ep"), self.get_mesh(EXPERT_SHARD)) if self.ep_enabled else None
+
 
 def resolve_device(choice: str) -> torch.device:
     """``training.device`` as a device: ``auto`` is CUDA when available, else CPU."""

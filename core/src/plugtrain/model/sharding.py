@@ -134,7 +134,7 @@ def build_model(
             spec.parallelize(model, tp_mesh)
     experts_mesh = None
     if ep_meshes is not None:
-        parallelize_experts(model, ep_meshes[0])
+        parallelize_experts(model, ep_meshes[0], spec.name)
         experts_mesh = ep_meshes[1]
     conversion.store_meta(model)
     shard_model(model, mesh, param_dtype, reduce_dtype, experts_mesh)

@@ -18,6 +18,7 @@ from plugtrain.data import Tokenizer
 from plugtrain.distributed import parallel_dims
 from plugtrain.errors import ConfigError
 from plugtrain.model import Checkpointing, MemoryEstimate, conversion_of, model_spec
+from plugtrain.model.moe.expert_parallel import check_expert_parallel
 from plugtrain.training.conversion import converted_model
 
 if TYPE_CHECKING:
@@ -117,6 +118,9 @@ def estimate_run(
     spec = model_spec(config.model.family)
     args = config.model.model_args(vocab_size, train.seq_len)
     spec.check_parallel(args, dims.tp, train.seq_len)
+    if dims.ep_enabled:
+        experts = getattr(args, "num_experts", 0)
+        check_expert_parallel(dims.ep, [experts] if experts else [], config.model.family)
     if model is None and host is not None and host.implementers("convert_model"):
         model = converted_model(config, host, args)
     estimate = spec.memory(

@@ -165,6 +165,7 @@ class Trainer:
             train_cfg.seed,
             init_weights=False,
             tp_mesh=self.parallel_dims.get_mesh("tp") if self.parallel_dims.tp_enabled else None,
+            ep_meshes=self.parallel_dims.expert_meshes(),
         )
         """Builds a model laid out like the run's, without the model hooks, its weights empty."""
         init = self.initial_load is None

@@ -31,7 +31,13 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from plugtrain.errors import ConfigError
 from plugtrain.model.moe.experts import GroupedExperts
 
-__all__ = ["ExpertParallel", "expert_modules", "parallelize_experts", "shard_experts"]
+__all__ = [
+    "ExpertParallel",
+    "check_expert_parallel",
+    "expert_modules",
+    "parallelize_experts",
+    "shard_experts",
+]
 
 
 def expert_modules(model: nn.Module) -> list[GroupedExperts]:
@@ -101,26 +107,33 @@ def _shard_experts_dim(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
             module.register_parameter(key, split)
 
 
-def parallelize_experts(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Split every layer's routed experts over the ``ep`` ``mesh`` (``model`` unsharded, on the
-    meta device, changed in place) and route their tokens over it.
-
-    A model without routed experts, or whose experts ``ep`` does not divide, is refused in one
-    line.
-    """
-    ep = mesh.size()
-    experts = expert_modules(model)
+def check_expert_parallel(ep: int, experts: list[int], family: str) -> None:
+    """Refuse, in one line, ``ep`` ranks for a model whose layers have ``experts`` routed
+    experts each: none (a dense family), or a count ``ep`` does not divide."""
     if not experts:
         raise ConfigError(
-            f"parallelism.ep = {ep} but this model has no routed experts to split (a dense "
-            f"model): set model.family = 'moe', or parallelism.ep = 1"
+            f"parallelism.ep = {ep} but model.family '{family}' has no routed experts to split: "
+            f"set model.family = 'moe', or parallelism.ep = 1"
         )
-    for module in experts:
-        if module.num_experts % ep:
+    for count in experts:
+        if count % ep:
             raise ConfigError(
-                f"parallelism.ep = {ep} does not divide the model's {module.num_experts} "
-                f"experts: choose an ep that divides {module.num_experts}"
+                f"parallelism.ep = {ep} does not divide the model's {count} experts: choose an "
+                f"ep that divides {count} (or set model.moe_experts to a multiple of {ep})"
             )
+
+
+def parallelize_experts(model: nn.Module, mesh: DeviceMesh, family: str) -> None:
+    """Split every layer's routed experts over the ``ep`` ``mesh`` (``model``, of family
+    ``family``, unsharded, on the meta device, changed in place) and route their tokens over
+    it.
+
+    A model without routed experts, or whose experts ``ep`` does not divide, is refused in one
+    line (:func:`check_expert_parallel`).
+    """
+    experts = expert_modules(model)
+    check_expert_parallel(mesh.size(), [m.num_experts for m in experts], family)
+    for module in experts:
         style = ExpertParallel(mesh, module.num_experts)
         distribute_module(module, mesh, _shard_experts_dim, style.dispatch, style.combine)
 
