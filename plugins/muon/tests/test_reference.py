@@ -77,3 +77,24 @@ def test_a_found_inf_step_changes_no_parameter_and_no_state():
         p.grad = g
     optimizer.step()
     assert not any(torch.equal(a, b) for a, b in zip(before[0], ps, strict=True))
+
+
+def test_a_stack_of_matrices_steps_as_its_matrices_one_by_one():
+    """A layer's experts, ``[experts, out, in]``: each expert's matrix orthogonalised on its
+    own (batched), the same bits as separate matrices; both orientations."""
+    gen = torch.Generator().manual_seed(0)
+    for shape in [(3, 24, 16), (3, 8, 20)]:
+        stack = torch.nn.Parameter(torch.randn(shape, generator=gen))
+        matrices = [torch.nn.Parameter(m.clone()) for m in stack.detach().unbind()]
+        muon = {"lr": torch.tensor(0.02), "weight_decay": 0.1, "momentum": 0.95,
+                "nesterov": True, "ns_steps": 5, "eps": 1e-7}  # fmt: skip
+        stacked = MuonAdamW([{"params": [stack], **muon}], [])
+        separate = MuonAdamW([{"params": matrices, **muon}], [])
+        for step in range(3):
+            (grad,) = grads(step, [stack])
+            stack.grad = grad
+            for m, g in zip(matrices, grad.unbind(), strict=True):
+                m.grad = g.clone()
+            stacked.step()
+            separate.step()
+        assert torch.equal(stack.detach(), torch.stack([m.detach() for m in matrices]))

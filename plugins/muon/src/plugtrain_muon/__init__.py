@@ -1,11 +1,13 @@
 """plugtrain plugin: train the hidden matrices with Muon and the rest with AdamW.
 
 It builds the run's optimizer (the ``build_optimizer`` hook): a :class:`MuonAdamW` whose first
-param group is every 2-D parameter but the embedding and the output projection, trained with
-Muon at ``muon.lr``; the embedding, the output projection and the norms go to fused AdamW
-with the core's ``[optimizer]`` settings (and its ``no_decay`` parts, without weight decay).
-The LR schedule scales both by the same factor. Under FSDP2, HSDP and tensor parallelism each
-matrix's Newton-Schulz iteration runs on the whole matrix (see :mod:`plugtrain_muon.optimizer`).
+param group is every 2-D parameter but the embedding and the output projection, and every
+stack of matrices (a layer's routed experts, ``[experts, out, in]``, each expert's matrix
+orthogonalised on its own), trained with Muon at ``muon.lr``; the embedding, the output
+projection and the norms go to fused AdamW with the core's ``[optimizer]`` settings (and its
+``no_decay`` parts, without weight decay). The LR schedule scales both by the same factor.
+Under FSDP2, HSDP, tensor and expert parallelism each matrix's Newton-Schulz iteration runs on
+the whole matrix (see :mod:`plugtrain_muon.optimizer`).
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ class MuonConfig:
     (bfloat16 rounds their gradients' last-bit differences to whole bfloat16 steps) for
     twice the gather bytes and, on accelerators, slower matmuls."""
     adamw_params: list[str] = field(default_factory=lambda: ["tok_embeddings", "output"])
-    """Parts of the names of 2-D parameters trained with AdamW, not Muon (the embedding and
-    the output projection: Muon is for hidden matrices). Non-2-D parameters always are."""
+    """Parts of the names of matrices trained with AdamW, not Muon (the embedding and the
+    output projection: Muon is for hidden matrices). Vectors always are."""
 
     def __post_init__(self) -> None:
         check_field(0 < self.lr < math.inf, "lr", f"must be finite and > 0, got {self.lr}")
@@ -77,7 +79,7 @@ class MuonPlugin:
         core = ctx.optimizer_config
         matrices, decayed, exempt = [], [], []
         for name, p in ctx.named_parameters:
-            if p.ndim == 2 and not any(part in name for part in cfg.adamw_params):
+            if p.ndim in (2, 3) and not any(part in name for part in cfg.adamw_params):
                 matrices.append(p)
             elif any(part in name for part in core.no_decay):
                 exempt.append(p)

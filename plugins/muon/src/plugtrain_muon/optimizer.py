@@ -1,9 +1,10 @@
-"""The ``MuonAdamW`` optimizer: Muon on 2-D matrices, fused AdamW on the rest, veto on device.
+"""The ``MuonAdamW`` optimizer: Muon on matrices, fused AdamW on the rest, veto on device.
 
 Muon (Keller Jordan's) keeps a momentum buffer per matrix and steps each matrix along the
-orthogonalised momentum, computed by a Newton-Schulz iteration in bfloat16 (torch's; float32
-on request). The iteration is not elementwise: on an FSDP2 ``Shard(0)`` shard it would
-orthogonalise the rows a rank holds, not the matrix. So each matrix's update, cast to the
+orthogonalised momentum (a stack of matrices, ``[experts, out, in]``, matrix by matrix),
+computed by a Newton-Schulz iteration in bfloat16 (torch's; float32 on request). The
+iteration is not elementwise: on an FSDP2 ``Shard(0)`` shard it would orthogonalise the rows
+a rank holds, not the matrix. So each matrix's update, cast to the
 iteration's dtype, is all-gathered over the shards, every rank runs the iteration on the full
 matrix (the same bits on every rank), and keeps its own rows.
 
@@ -40,25 +41,29 @@ def orthogonalize(
     dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
     """``m``'s nearest semi-orthogonal matrix, roughly (singular values in about [0.5, 1.5]),
-    by ``steps`` quintic Newton-Schulz iterations in ``dtype``, on the wide orientation."""
+    by ``steps`` quintic Newton-Schulz iterations in ``dtype``, on the wide orientation; of a
+    stack ``[n, rows, cols]`` (a layer's experts), each matrix's, batched."""
     a, b, c = coefficients
     x = m.to(dtype)
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+        x = x.mT
+    # Spectral norm <= Frobenius norm <= 1, matrix by matrix.
+    norm = x.norm() if x.ndim == 2 else x.norm(dim=(-2, -1), keepdim=True)
+    x = x / norm.clamp(min=eps)
+    multiply_add = torch.addmm if x.ndim == 2 else torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        poly = multiply_add(gram, gram, gram, beta=b, alpha=c)
+        x = multiply_add(x, poly, x, beta=a)
+    return x.mT if tall else x
 
 
 def lr_ratio(shape: torch.Size, adjust_lr_fn: AdjustLR) -> float:
     """The factor of a ``shape`` matrix's learning rate: ``original`` sqrt(max(1, rows/cols))
     keeps the update's RMS independent of the aspect; ``match_rms_adamw`` 0.2 sqrt(max(rows,
     cols)) matches AdamW's typical update RMS, so that AdamW's LR and weight decay carry over."""
-    rows, cols = shape[0], shape[1]
+    rows, cols = shape[-2], shape[-1]  # each matrix's, of a stack
     if adjust_lr_fn == "original":
         return math.sqrt(max(1.0, rows / cols))
     return 0.2 * math.sqrt(max(rows, cols))
@@ -87,8 +92,8 @@ def _own_rows(full: Tensor, like: Tensor) -> Tensor:
 class MuonAdamW(Optimizer):
     """Muon on the param groups marked ``muon``, fused AdamW (torch's) on the others.
 
-    A Muon group holds 2-D parameters and ``lr`` (a 0-d tensor), ``weight_decay``,
-    ``momentum``, ``nesterov``, ``ns_steps``, ``eps``; an AdamW group whatever
+    A Muon group holds 2-D parameters (or 3-D stacks of them) and ``lr`` (a 0-d tensor),
+    ``weight_decay``, ``momentum``, ``nesterov``, ``ns_steps``, ``eps``; an AdamW group whatever
     ``torch.optim.AdamW`` takes. ``step()`` honours ``found_inf`` and ``grad_scale`` as a
     fused optimizer does for ``GradScaler`` (``_step_supports_amp_scaling``): with
     ``found_inf`` nonzero no parameter and no state changes, decided on the device with no
@@ -113,8 +118,10 @@ class MuonAdamW(Optimizer):
         muon_groups = [{**g, "muon": True} for g in muon_groups]
         for group in muon_groups:
             for p in group["params"]:
-                if p.ndim != 2:
-                    raise ValueError(f"Muon takes 2-D parameters only, got shape {list(p.shape)}")
+                if p.ndim not in (2, 3):
+                    raise ValueError(
+                        f"Muon takes matrices and stacks of them only, got shape {list(p.shape)}"
+                    )
         # torch's AdamW fills in its defaults; its groups are this optimizer's AdamW groups.
         # There may be none: every trainable parameter a matrix (adapters on a frozen model).
         adamw_groups = [{**g, "muon": False} for g in adamw_groups]
