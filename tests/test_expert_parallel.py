@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from plugtrain_grad_clip import GradClip, GradClipConfig
 from torch import nn
 
 from plugtrain.config import ParallelismConfig
@@ -24,7 +25,7 @@ from plugtrain.model.moe.expert_parallel import parallelize_experts
 from plugtrain.model.moe.experts import GroupedExperts
 from plugtrain.model.sharding import shard_model
 from plugtrain.plugin import full_tensor, grouped_by_mesh, total_norm
-from plugtrain.testing import run_distributed, tiny_args
+from plugtrain.testing import run_distributed, step_context, tiny_args
 from plugtrain.training import check_world, configure
 
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 32, 4, 2, 12
@@ -117,6 +118,11 @@ def on_ranks(ep: int, folder: str) -> dict:
     params = [p for p in model.parameters()]
     norm = total_norm([p.grad for p in params])
     ref_norm = total_norm([p.grad for p in ref.parameters()])
+    # grad_clip clips each mesh's gradients by the global norm.
+    clip = GradClip()
+    clip.config = GradClipConfig(max_norm=0.1)
+    clip.post_backward(step_context(model))
+    clipped = total_norm([p.grad for p in params])
     # An inf in one rank's expert gradient: every rank's flag is raised.
     grads_local = [p.grad for p in params]
     if rank == world - 1:
@@ -132,6 +138,8 @@ def on_ranks(ep: int, folder: str) -> dict:
         "ratio": ratio.item(),
         "norm": norm.item(),
         "ref_norm": ref_norm.item(),
+        "clip_norm": clip.total_norm.item(),
+        "clipped": clipped.item(),
         "groups": len(grouped_by_mesh(grads_local)),
         "found_inf": found.item(),
         "keys": sorted(model.state_dict()),
@@ -173,6 +181,10 @@ def test_the_norm_is_the_global_one_on_every_rank_and_an_inf_stops_every_rank(la
     results, _ = layout
     assert {r["norm"] for r in results} == {results[0]["norm"]}
     assert results[0]["norm"] == pytest.approx(results[0]["ref_norm"], rel=1e-6)
+    assert {r["clip_norm"] for r in results} == {results[0]["norm"]}
+    # torch clips by max_norm / (norm + 1e-6).
+    expected = 0.1 * results[0]["norm"] / (results[0]["norm"] + 1e-6)
+    assert results[0]["clipped"] == pytest.approx(expected, rel=1e-6)
     assert {r["groups"] for r in results} == {2}  # the experts' mesh and the dense one
     assert all(r["found_inf"] > 0 for r in results)
 

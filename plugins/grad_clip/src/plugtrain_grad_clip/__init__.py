@@ -16,7 +16,14 @@ from typing import Literal
 
 import torch
 
-from plugtrain.plugin import SetupContext, StepContext, check_field, hookimpl, total_norm
+from plugtrain.plugin import (
+    SetupContext,
+    StepContext,
+    check_field,
+    grouped_by_mesh,
+    hookimpl,
+    total_norm,
+)
 
 __all__ = ["GradClip", "GradClipConfig"]
 
@@ -78,7 +85,9 @@ class GradClip:
         # training.mixed_precision_param says (it casts only the unsharded copies used in
         # forward and backward), so the norm is computed in fp32.
         norm = total_norm(grads, self.config.norm_type)
-        torch.nn.utils.clip_grads_with_norm_(params, self.config.max_norm, norm, foreach=True)
+        # One foreach kernel per mesh: under expert parallelism the experts have their own.
+        for group in grouped_by_mesh(params):
+            torch.nn.utils.clip_grads_with_norm_(group, self.config.max_norm, norm, foreach=True)
         self.total_norm = norm
 
     @hookimpl
