@@ -6,7 +6,7 @@ import pytest
 import torch
 from plugtrain_compile import Compile
 
-from plugtrain.plugin import ConfigError
+from plugtrain.plugin import ConfigError, ParallelDims
 from plugtrain.testing import make_trainer, model_context
 
 ENABLE = ("--plugins.enabled", "compile")
@@ -86,6 +86,22 @@ def test_a_backend_that_fails_at_first_use_is_one_line():
     assert message.endswith(
         "; set compile.backend = 'aot_eager' or 'eager', or remove 'compile' from plugins.enabled"
     )
+
+
+def test_fullgraph_under_expert_parallelism_is_one_line():
+    plugin = Compile()
+    dims = ParallelDims(dp_shard=2, ep=2, rank=0)
+    ctx = model_context({"compile": plugin}, *AOT_EAGER, parallel_dims=dims)
+    with pytest.raises(ConfigError) as error:
+        plugin.compile_model(ctx)
+    assert str(error.value) == (
+        "compile.fullgraph = true, but under parallelism.ep = 2 each block reads its experts' "
+        "token counts on the host (a graph break): set compile.fullgraph = false, or "
+        "parallelism.ep = 1"
+    )
+    plugin.compile_model(model_context({"compile": plugin}, *AOT_EAGER, "--compile.fullgraph",
+                                       "false", parallel_dims=dims))  # fmt: skip
+    assert plugin.compiled_blocks == 2
 
 
 @pytest.mark.parametrize(

@@ -88,6 +88,14 @@ class Compile:
         # Under TP, torch 2.13's AOTAutograd (aot_eager, inductor) fails in a compiled block's
         # backward: "'Tensor' object has no attribute '_local_tensor'" (CPU, gloo; tp 2).
         refuse_tensor_parallel(ctx.parallel_dims, name)
+        ep = ctx.parallel_dims.ep
+        if ep > 1 and config.fullgraph:
+            # The all-to-all's split sizes are read on the host in each block: a graph break.
+            raise ConfigError(
+                f"{name}.fullgraph = true, but under parallelism.ep = {ep} each block reads its "
+                f"experts' token counts on the host (a graph break): set {name}.fullgraph = "
+                f"false, or parallelism.ep = 1"
+            )
         on_cpu = config.backend == "inductor" and ctx.device.type == "cpu"
         if on_cpu and shutil.which(cpp_compiler()) is None:
             raise ConfigError(
