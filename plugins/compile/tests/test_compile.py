@@ -7,7 +7,7 @@ import torch
 from plugtrain_compile import Compile
 
 from plugtrain.plugin import ConfigError, ParallelDims
-from plugtrain.testing import make_trainer, model_context
+from plugtrain.testing import make_trainer, model_context, read_metrics
 
 ENABLE = ("--plugins.enabled", "compile")
 AOT_EAGER = (*ENABLE, "--compile.backend", "aot_eager")
@@ -117,3 +117,28 @@ def test_fullgraph_under_expert_parallelism_is_one_line():
 def test_bad_config_is_a_config_error(args, match):
     with pytest.raises(ConfigError, match=match):
         model_context({}, *ENABLE, *args)
+
+
+@pytest.mark.slow
+def test_the_moe_family_compiles_whole_blocks_and_trains_as_the_eager_run(tmp_path):
+    # fullgraph (the default): the router's statistics and token counts, recorded in the
+    # forward, trace; under activation checkpointing they are recorded once a step, as eagerly.
+    moe = (
+        "--model.family", "moe", "--model.flavor", "debug_moe",
+        "--model.moe_aux_loss_weight", "0.01", "--model.moe_bias_update_rate", "0.01",
+    )  # fmt: skip
+    runs = {}
+    for name, plugins in [("eager", ()), ("compiled", ("compile", "activation_checkpointing"))]:
+        enabled = ("--plugins.enabled", ",".join(plugins)) if plugins else ()
+        backend = ("--compile.backend", "aot_eager") if plugins else ()
+        trainer = make_trainer(tmp_path / name, *moe, *enabled, *backend, steps=2)
+        trainer.train()
+        records = [r for r in read_metrics(tmp_path / name) if "loss" in r]
+        runs[name] = records, trainer.runner.balance.state_dict()["expert_bias"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    (records, biases), (eager_records, eager_biases) = runs["compiled"], runs["eager"]
+    for record, eager in zip(records, eager_records, strict=True):
+        for key in ("loss", "moe/aux_loss", "moe/max_tokens.0", "moe/min_tokens.1"):
+            assert record[key] == pytest.approx(eager[key], rel=1e-6), key
+    assert eager_biases.any()  # the bias moved: the counts were taken
+    assert torch.equal(biases, eager_biases)

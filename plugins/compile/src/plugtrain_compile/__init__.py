@@ -118,6 +118,15 @@ class Compile:
         self.compiled_blocks = len(ctx.blocks)
 
 
+# A block's forward may record what it did (the moe family's router statistics and token
+# counts), once per step: eagerly, activation checkpointing's recompute skips it (the moe layer
+# checks the autograd graph task); compiled, dynamo refuses such a side effect inside a
+# checkpoint unless told not to replay it in the backward.
+_FORWARD_SIDE_EFFECTS_ONCE = torch._dynamo.config.patch(
+    skip_fwd_side_effects_in_bwd_under_checkpoint=True
+)
+
+
 def _compiled(
     forward: Callable[..., Any], name: str, options: dict[str, Any]
 ) -> Callable[..., Any]:
@@ -128,7 +137,8 @@ def _compiled(
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            return compiled(*args, **kwargs)
+            with _FORWARD_SIDE_EFFECTS_ONCE:
+                return compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(

@@ -116,8 +116,9 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         # Not when activation checkpointing recomputes this forward in the backward: the step's
-        # forward counted its tokens already.
-        if torch._C._current_graph_task_id() == -1:
+        # forward counted its tokens already. Compiled, the graph task is not traceable and the
+        # recompute is the backward graph's, which leaves these out (the compile plugin).
+        if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
             self.stats = RouterStats(logits, probs, counts, self.top_k) if self.training else None
             if self.training:
                 self.tokens_per_expert += counts
