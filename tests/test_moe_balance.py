@@ -11,6 +11,7 @@ import torch
 
 from plugtrain.model.moe import FLAVORS, MoE
 from plugtrain.model.moe.balance import Balance, load_balancing_loss, update_bias
+from plugtrain.plugin import hookimpl
 from plugtrain.testing import count_costs, make_trainer, read_metrics, tiny_run
 
 DEBUG = FLAVORS["debug_moe"]
@@ -86,6 +87,7 @@ def test_the_bias_moves_the_load_toward_balance():
     for _ in range(200):
         moe(x)
         balance.after_backward()
+        balance.step()
         load = balance.load.float()
         imbalance.append((load.max() / load.mean()).item())
     assert imbalance[0] > 3.5 and max(imbalance[-20:]) < 1.2
@@ -117,6 +119,37 @@ def test_the_bias_is_checkpointed_and_resumed(tmp_path):
     resumed = make_trainer(tmp_path, *args, steps=3)
     assert torch.equal(resumed.runner.balance.state_dict()["expert_bias"], saved)
     resumed.close()
+
+
+class VetoStep:
+    """Vetoes step ``step``: with a reason (known on the host: no ``optimizer.step()``) or a
+    device flag (the fused optimizer's ``found_inf``), as grad_scaler, grad_clip and
+    spike_guard do."""
+
+    def __init__(self, step: int, reason: bool) -> None:
+        self.step, self.reason = step, reason
+
+    @hookimpl
+    def pre_step(self, ctx):
+        if self.reason:
+            return "vetoed" if ctx.step == self.step else None
+        return torch.tensor(ctx.step == self.step)
+
+
+@pytest.mark.parametrize("reason", [False, True], ids=["device_flag", "reason"])
+def test_a_vetoed_step_leaves_the_bias_as_it_was(tmp_path, reason):
+    args = ("--model.family", "moe", "--model.flavor", "debug_moe")
+    rate = ("--model.moe_bias_update_rate", "0.01")
+    trainer = make_trainer(tmp_path, *args, *rate, plugins=[("veto", VetoStep(2, reason))])
+    biases = [trainer.runner.balance.state_dict()["expert_bias"].clone()]
+    for _ in range(3):
+        trainer.train_step(trainer.batches.next_batch())
+        biases.append(trainer.runner.balance.state_dict()["expert_bias"].clone())
+    assert int(trainer.vetoes.total) == 1
+    bits = [b.view(torch.int32) for b in biases]
+    assert not torch.equal(bits[1], bits[0])  # step 1 moved it
+    assert torch.equal(bits[2], bits[1])  # step 2, vetoed, never happened
+    assert not torch.equal(bits[3], bits[2])
 
 
 @pytest.mark.slow

@@ -373,7 +373,8 @@ def pre_step(ctx: StepContext) -> str | torch.Tensor | None:
     values (an inf flag, a norm), or a non-empty string for a decision the host already knows,
     giving the reason. The trainer combines every veto on the device and applies the skip
     without reading it (the fused optimizer's ``found_inf``); a skipped step changes neither
-    the parameters, the optimizer state nor the learning-rate schedule, and the step counter
+    the parameters, the optimizer state, the learning-rate schedule nor a mixture of experts'
+    selection bias (``[model] moe_bias_update_rate``), and the step counter
     still advances. Anything else returned is a plugin error. The core does not synchronise
     vetoes across ranks: base a veto on values that are already global (an all-reduced norm, a
     synchronised inf flag), so that every rank takes the same decision.

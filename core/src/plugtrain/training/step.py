@@ -46,8 +46,10 @@ class StepRunner:
         self.sync_replicas, self.timer = sync_replicas, timer
         self.balance = Balance.of(model, ctx.config.model, ctx.config.metrics.moe_tokens_per_expert)
         """The load balancing of the model's mixture-of-experts layers; None without any."""
-        if self.balance is not None and ctx.parallel_dims.world_size > 1:
-            self.balance.group = data_parallel_group(ctx.parallel_dims)
+        if self.balance is not None:
+            self.balance.attach(ctx.optimizer)  # the bias moves in the optimizer's step
+            if ctx.parallel_dims.world_size > 1:
+                self.balance.group = data_parallel_group(ctx.parallel_dims)
         own = {"moe": self.balance.terms} if self.balance and self.balance.has_losses else {}
         self.loss_terms = LossTerms.of(host, own)
         """The loss terms, the plugins' and the core's own; None if none is on."""

@@ -12,10 +12,12 @@ Three means, each off by default (``[model] moe_*``):
   process as on N, not a mean of each rank's, which would depend on the split;
 * the **router z-loss** (ST-MoE's): the mean over the tokens of the squared log-sum-exp of the
   router logits, averaged over the layers, times ``moe_z_loss_weight``;
-* DeepSeek-V3's **auxiliary-loss-free bias**: after each step's backward every layer's
+* DeepSeek-V3's **auxiliary-loss-free bias**: in each optimizer step every layer's
   ``expert_bias`` (added to the probabilities for the top-k choice only) moves by
   ``moe_bias_update_rate`` toward balance, ``bias += rate * sign(mean load - load)``, the loads
-  summed over the data-parallel ranks on the device: no host read.
+  summed over the data-parallel ranks on the device: no host read. A step a plugin vetoes
+  leaves it as it was, as it leaves the weights (``training.vetoes``: the optimizer's
+  ``found_inf``, on the device).
 
 The losses enter the loss as loss terms (``training.loss_terms``), from the router statistics
 each microbatch's forward left (``RouterStats``, also given to plugins' ``loss_terms`` as
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import Optimizer
 
 from plugtrain.model.moe.layer import MoE, RouterStats
 
@@ -57,18 +60,23 @@ def router_z_loss(stats: RouterStats) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+def update_bias(
+    bias: torch.Tensor, load: torch.Tensor, rate: float, skip: torch.Tensor | None = None
+) -> None:
     """DeepSeek-V3's update of one layer's selection ``bias`` in place from its experts'
     ``load`` (tokens per expert): raise the under-loaded experts' bias by ``rate``, lower the
-    over-loaded ones'; an expert at the mean load keeps its own."""
+    over-loaded ones'; an expert at the mean load keeps its own. ``skip``, a 0-d device flag
+    (nonzero: the step was vetoed), leaves ``bias`` bitwise as it was, with no host read."""
     load = load.float()
-    bias += rate * torch.sign(load.mean() - load)
+    moved = bias + rate * torch.sign(load.mean() - load)
+    bias.copy_(moved if skip is None else torch.where(skip.bool(), bias, moved))
 
 
 class Balance:
     """The balancing of ``model``'s mixture-of-experts layers in a run (see the module
     docstring); the trainer's step calls :meth:`terms` per microbatch (when a loss is on) and
-    :meth:`after_backward` once per step, checkpoints :meth:`state_dict`."""
+    :meth:`after_backward` once per step, the optimizer's step :meth:`step` (:meth:`attach`);
+    the trainer checkpoints :meth:`state_dict`."""
 
     def __init__(
         self,
@@ -91,6 +99,7 @@ class Balance:
         """The last step's tokens per expert, ``[layers, experts]``, summed over ranks once
         :meth:`metrics` or the bias update reduced them."""
         self._reduced = False
+        self._pending = False  # the loads taken have not moved the bias yet
 
     @classmethod
     def of(cls, model: nn.Module, config: Any, per_expert: bool = False) -> Balance | None:
@@ -136,15 +145,32 @@ class Balance:
 
     def after_backward(self) -> None:
         """Take the step's tokens per expert off the layers (zeroing their counts) and, with a
-        rate, sum them over the ranks and move every layer's bias: on the device."""
+        rate, sum them over the ranks (on every rank, vetoed step or not) for :meth:`step`."""
         self.load = torch.stack([m.tokens_per_expert.clone() for m in self.layers])
         self._reduced = False
         for m in self.layers:
             m.tokens_per_expert.zero_()
         if self.bias_update_rate > 0:
-            load = self._global_load()
-            for m, layer_load in zip(self.layers, load, strict=True):
-                update_bias(m.router.expert_bias, layer_load, self.bias_update_rate)
+            self._global_load()
+            self._pending = True
+
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """Move every layer's bias by the loads :meth:`after_backward` took, once, unless
+        ``skip`` (a 0-d device flag, nonzero: the step was vetoed), on the device."""
+        if not self._pending:
+            return
+        self._pending = False
+        for m, layer_load in zip(self.layers, self._global_load(), strict=True):
+            update_bias(m.router.expert_bias, layer_load, self.bias_update_rate, skip)
+
+    def attach(self, optimizer: Optimizer) -> None:
+        """Run :meth:`step` in each ``optimizer.step()``, after the update: the bias moves
+        with the weights. A step vetoed on the host calls no ``step()``; one vetoed on the
+        device gets its flag as ``found_inf`` (``training.vetoes``), which skips this too."""
+        if self.bias_update_rate > 0:
+            optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: self.step(getattr(opt, "found_inf", None))
+            )
 
     def _global_load(self) -> torch.Tensor:
         assert self.load is not None, "after_backward takes the loads first"
