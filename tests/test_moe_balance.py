@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from plugtrain.cli import main
 from plugtrain.model.moe import FLAVORS, MoE
 from plugtrain.model.moe.balance import Balance, load_balancing_loss, update_bias
 from plugtrain.plugin import hookimpl
@@ -119,6 +120,32 @@ def test_the_bias_is_checkpointed_and_resumed(tmp_path):
     resumed = make_trainer(tmp_path, *args, steps=3)
     assert torch.equal(resumed.runner.balance.state_dict()["expert_bias"], saved)
     resumed.close()
+
+
+@pytest.mark.parametrize("rate", ["0.01", "0"])
+def test_export_hf_says_it_leaves_out_a_moved_bias(tmp_path, capsys, rate):
+    args = ("--model.family", "moe", "--model.flavor", "debug_moe")
+    run = tmp_path / "run"
+    trainer = make_trainer(
+        run, *args, "--model.moe_bias_update_rate", rate, "--checkpoint.save_final", "true",
+        steps=2,
+    )  # fmt: skip
+    trainer.run()
+    largest = trainer.runner.balance.state_dict()["expert_bias"].abs().max().item()
+    capsys.readouterr()
+    assert main(["export-hf", str(run), "-o", str(tmp_path / "hf")]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("wrote ")  # the export is still a usable model
+    if rate == "0":
+        assert largest == 0 and err == ""
+        return
+    assert largest == pytest.approx(0.02)  # two steps of 0.01
+    assert err.splitlines() == [
+        f"export-hf: warning: the checkpoint's expert selection bias (moe.expert_bias, max "
+        f"|bias| {largest:.4g}) has no place in the Hugging Face format and is left out: the "
+        "exported router picks experts without it, not as the trained model did (transformers' "
+        "logits differ)"
+    ]
 
 
 class VetoStep:

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     from plugtrain.checkpoint.export import export_adapter as export_adapter
     from plugtrain.checkpoint.export import export_checkpoint as export_checkpoint
     from plugtrain.checkpoint.export import parse_size as parse_size
+    from plugtrain.checkpoint.export import unexported_bias as unexported_bias
     from plugtrain.checkpoint.initial import InitialLoad as InitialLoad
     from plugtrain.checkpoint.initial import initial_load_ignored as initial_load_ignored
     from plugtrain.checkpoint.initial import open_initial_load as open_initial_load

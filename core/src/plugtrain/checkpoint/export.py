@@ -43,17 +43,25 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from plugtrain.checkpoint.base import base_loader
-from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner
+from plugtrain.checkpoint.dcp_io import TensorOnlyLoadPlanner, read_metadata
 from plugtrain.checkpoint.saved import WEIGHTS, SavedCheckpoint, open_checkpoint
 from plugtrain.data import BOS_TOKEN, DEFAULT_CHAT_TEMPLATE, EOS_TOKEN, ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, UserError, one_line
 from plugtrain.model import AdapterExport, Conversion, HFAdapter, LazyTensors
 
-__all__ = ["export_adapter", "export_checkpoint", "parse_size", "write_hf_folder"]
+__all__ = [
+    "export_adapter",
+    "export_checkpoint",
+    "parse_size",
+    "unexported_bias",
+    "write_hf_folder",
+]
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 """The dtypes an export writes, by their safetensors name."""
 _SIZE = re.compile(r"(\d+)\s*([KMG]i?B)?", re.IGNORECASE)
+_BIAS = "moe.expert_bias"
+"""The moe family's selection bias in a checkpoint (the trainer's ``moe`` state)."""
 _UNITS = {"": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -119,6 +127,23 @@ def export_checkpoint(
         overwrite=overwrite,
     )
     return folder, dtype
+
+
+def unexported_bias(saved: SavedCheckpoint) -> str | None:
+    """A line saying what an export of ``saved`` loses, if its experts' selection bias (a
+    ``moe`` run's with ``model.moe_bias_update_rate``) is not zero: Qwen3-MoE's format has no
+    place for it, and without it the router picks other experts; None otherwise."""
+    md = read_metadata(saved.folder, saved.source.reader()).state_dict_metadata.get(_BIAS)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    largest = _loader(saved, {_BIAS: (_BIAS, md)})(_BIAS).abs().max().item()
+    if largest == 0:
+        return None
+    return (
+        f"the checkpoint's expert selection bias ({_BIAS}, max |bias| {largest:.4g}) has no "
+        "place in the Hugging Face format and is left out: the exported router picks experts "
+        "without it, not as the trained model did (transformers' logits differ)"
+    )
 
 
 def export_adapter(

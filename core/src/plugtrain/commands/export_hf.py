@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["add_parser", "run"]
 
@@ -53,11 +54,13 @@ def run(args: argparse.Namespace) -> int:
         export_checkpoint,
         open_checkpoint,
         parse_size,
+        unexported_bias,
     )
     from plugtrain.training import saved_conversion
 
     # The export rules of parameters a plugin added: its run's plugins convert the model again.
-    conversion = saved_conversion(open_checkpoint(args.path, args.tokenizer), args.weights)
+    saved = open_checkpoint(args.path, args.tokenizer)
+    conversion = saved_conversion(saved, args.weights)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     kept = " (the checkpoint's)" if args.dtype == "auto" else ""
     if args.adapter:
@@ -86,4 +89,6 @@ def run(args: argparse.Namespace) -> int:
     )
     name = str(dtype).removeprefix("torch.")
     print(f"wrote {args.output}: the {args.weights} weights of {folder} in {name}{kept}")
+    if lost := unexported_bias(saved):
+        print(f"export-hf: warning: {lost}", file=sys.stderr)
     return 0
