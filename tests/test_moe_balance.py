@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from plugtrain.cli import main
+from plugtrain.commands.generate import load
 from plugtrain.model.moe import FLAVORS, MoE
 from plugtrain.model.moe.balance import Balance, load_balancing_loss, update_bias
+from plugtrain.model.moe.transformer import moe_layers
 from plugtrain.plugin import hookimpl
 from plugtrain.testing import count_costs, make_trainer, read_metrics, tiny_run
 
@@ -123,7 +125,7 @@ def test_the_bias_is_checkpointed_and_resumed(tmp_path):
 
 
 @pytest.mark.parametrize("rate", ["0.01", "0"])
-def test_export_hf_says_it_leaves_out_a_moved_bias(tmp_path, capsys, rate):
+def test_generate_keeps_the_bias_and_export_hf_says_it_leaves_it_out(tmp_path, capsys, rate):
     args = ("--model.family", "moe", "--model.flavor", "debug_moe")
     run = tmp_path / "run"
     trainer = make_trainer(
@@ -131,7 +133,10 @@ def test_export_hf_says_it_leaves_out_a_moved_bias(tmp_path, capsys, rate):
         steps=2,
     )  # fmt: skip
     trainer.run()
-    largest = trainer.runner.balance.state_dict()["expert_bias"].abs().max().item()
+    bias = trainer.runner.balance.state_dict()["expert_bias"]
+    largest = bias.abs().max().item()
+    model, _ = load(run)  # generate and eval route as the run did: with its bias
+    assert torch.equal(torch.stack([m.router.expert_bias for m in moe_layers(model)]), bias)
     capsys.readouterr()
     assert main(["export-hf", str(run), "-o", str(tmp_path / "hf")]) == 0
     out, err = capsys.readouterr()

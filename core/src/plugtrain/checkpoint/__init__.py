@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from plugtrain.checkpoint.rng import seed_generators as seed_generators
     from plugtrain.checkpoint.saved import WEIGHTS as WEIGHTS
     from plugtrain.checkpoint.saved import SavedCheckpoint as SavedCheckpoint
+    from plugtrain.checkpoint.saved import locate_checkpoint as locate_checkpoint
     from plugtrain.checkpoint.saved import open_checkpoint as open_checkpoint
     from plugtrain.checkpoint.storage import CheckpointStorage as CheckpointStorage
 else:

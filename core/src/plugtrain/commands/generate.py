@@ -9,7 +9,8 @@ model's family, its shape, and the state dict keyed by the model's own parameter
   (or, with ``weights="ema"``, the ema plugin's average of them, by key, without importing the
   plugin); the family and shape are the run config's, with the tokenizer's vocabulary, as the
   trainer builds them. Parameters a plugin added (LoRA's adapters) are merged into the base
-  weights by the plugin's export rules, as ``export-hf`` merges them.
+  weights by the plugin's export rules, as ``export-hf`` merges them. A moe run's experts'
+  selection bias (its ``moe`` state) is set on the model built, so it routes as it trained.
 * :func:`from_hf_folder`: a Hugging Face folder (``plugtrain export-hf``'s, or any whose
   ``config.json`` a family can express, found by its ``model_type``): its safetensors files
   through the family's adapter (Llama's puts the q/k rows back into plugtrain's RoPE layout),
@@ -37,12 +38,15 @@ from plugtrain.checkpoint import (
     WEIGHTS,
     SavedCheckpoint,
     base_loader,
+    locate_checkpoint,
     open_checkpoint,
     read_checkpoint,
 )
 from plugtrain.data import ChatTemplate, Tokenizer
 from plugtrain.errors import CheckpointError, ConfigError, MissingFileError, UserError, one_line
 from plugtrain.model import ModelSpec, complete, hf_model_spec
+from plugtrain.model.moe.balance import Balance
+from plugtrain.model.moe.transformer import moe_layers
 
 __all__ = [
     "Loaded",
@@ -194,9 +198,20 @@ def load(
                 "Face folder: drop --weights, or give a checkpoint of a run with ema"
             )
         loaded = from_hf_folder(Path(path), tokenizer_path)
-    else:
-        loaded = from_checkpoint(path, weights, tokenizer_path)
-    return _build(loaded, path).to(device), loaded[3]
+        return _build(loaded, path).to(device), loaded[3]
+    loaded = from_checkpoint(path, weights, tokenizer_path)
+    return _with_bias(_build(loaded, path), path).to(device), loaded[3]
+
+
+def _with_bias(model: nn.Module, path: str | os.PathLike[str]) -> nn.Module:
+    """``model`` with the experts' selection bias its run saved (the ``moe`` state, not a
+    parameter), which moves the choice of experts as in training; a model without is as it was."""
+    source = locate_checkpoint(path)
+    state = read_checkpoint(source.location, "moe.", source.reader())
+    if state:
+        layers = dict(enumerate(moe_layers(model)))
+        Balance(layers).load_state_dict({"expert_bias": state["moe.expert_bias"]})
+    return model
 
 
 def _device(name: str) -> torch.device:
