@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from plugtrain.model.gemm import Gemm
+from plugtrain.model.gemm import Gemm, attention_gemms, projection_gemms
 
 
 @dataclass(frozen=True)
@@ -191,21 +191,8 @@ class ModelArgs:
         ]
         out = []
         for name, fan_in, fan_out, count in projections:
-            out += [
-                Gemm(f"{name}.forward", tokens, fan_out, fan_in, count=count),
-                Gemm(f"{name}.input_grad", tokens, fan_in, fan_out, count=count),
-                Gemm(f"{name}.weight_grad", fan_out, fan_in, tokens, count=count),
-            ]
-        heads = rows * self.n_heads
-        out += [
-            Gemm("attention.scores.forward", seq_len, seq_len, hd, heads, layers),
-            Gemm("attention.scores.query_grad", seq_len, hd, seq_len, heads, layers),
-            Gemm("attention.scores.key_grad", seq_len, hd, seq_len, heads, layers),
-            Gemm("attention.values.forward", seq_len, hd, seq_len, heads, layers),
-            Gemm("attention.values.probs_grad", seq_len, seq_len, hd, heads, layers),
-            Gemm("attention.values.value_grad", seq_len, hd, seq_len, heads, layers),
-        ]
-        return out
+            out += projection_gemms(name, tokens, fan_in, fan_out, count)
+        return out + attention_gemms(rows, seq_len, self.n_heads, hd, layers)
 
 
 _LLAMA3_VOCAB = 128256

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plugtrain.model.gemm import Gemm
+from plugtrain.model.gemm import Gemm, attention_gemms, projection_gemms
 from plugtrain.model.llama.args import RopeScaling
 
 __all__ = ["FLAVORS", "MoEArgs"]
@@ -187,23 +187,9 @@ class MoEArgs:
         ]
         out = []
         for name, m, fan_in, fan_out, count in projections:
-            if count == 0 or fan_in == 0 or fan_out == 0:
-                continue
-            out += [
-                Gemm(f"{name}.forward", m, fan_out, fan_in, count=count),
-                Gemm(f"{name}.input_grad", m, fan_in, fan_out, count=count),
-                Gemm(f"{name}.weight_grad", fan_out, fan_in, m, count=count),
-            ]
-        heads = rows * self.n_heads
-        out += [
-            Gemm("attention.scores.forward", seq_len, seq_len, hd, heads, layers),
-            Gemm("attention.scores.query_grad", seq_len, hd, seq_len, heads, layers),
-            Gemm("attention.scores.key_grad", seq_len, hd, seq_len, heads, layers),
-            Gemm("attention.values.forward", seq_len, hd, seq_len, heads, layers),
-            Gemm("attention.values.probs_grad", seq_len, seq_len, hd, heads, layers),
-            Gemm("attention.values.value_grad", seq_len, hd, seq_len, heads, layers),
-        ]
-        return out
+            if count and fan_in and fan_out:
+                out += projection_gemms(name, m, fan_in, fan_out, count)
+        return out + attention_gemms(rows, seq_len, self.n_heads, hd, layers)
 
 
 FLAVORS: dict[str, MoEArgs] = {
