@@ -23,6 +23,7 @@ from plugtrain.errors import CheckpointError, one_line
 from plugtrain.model.llama.args import ModelArgs, RopeScaling
 
 __all__ = [
+    "decoder_config",
     "from_hf",
     "hf_config",
     "hf_rope_rows",
@@ -56,18 +57,14 @@ _FROM_LAYER = {hf: ours for ours, hf in _LAYER_NAMES.items()}
 _FROM_TOP = {hf: ours for ours, hf in _TOP_NAMES.items()}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def hf_config(
-    args: ModelArgs, *, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int | None
+def decoder_config(
+    args: Any, *, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int | None
 ) -> dict[str, Any]:
-    """config.json of ``LlamaForCausalLM`` for a model of shape ``args`` stored in ``dtype``."""
+    """The config.json fields a Llama-style decoder of shape ``args`` (a family's args with
+    :class:`ModelArgs`'s fields) stored in ``dtype`` shares with the formats built on it
+    (Qwen3-MoE's): sizes, heads, norms, RoPE, tokens, dtype."""
     scaling = args.rope_scaling
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -90,13 +87,25 @@ def hf_config(
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
-        "torch_dtype": _dtype_name(dtype),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def hf_config(
+    args: ModelArgs, *, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int | None
+) -> dict[str, Any]:
+    """config.json of ``LlamaForCausalLM`` for a model of shape ``args`` stored in ``dtype``."""
+    tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **decoder_config(args, dtype=dtype, **tokens),
+        "mlp_bias": False,
     }
 
 

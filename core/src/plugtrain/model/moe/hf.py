@@ -18,6 +18,7 @@ import torch
 
 from plugtrain.errors import CheckpointError, one_line
 from plugtrain.model.llama.hf import (
+    decoder_config,
     hf_rope_rows,
     meta_rope_rows,
     refuse_field,
@@ -77,10 +78,6 @@ def stacked(name: str, args: MoEArgs) -> bool:
     return match is not None and match[2] in _EXPERTS
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def hf_config(
     args: MoEArgs, *, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int | None
 ) -> dict[str, Any]:
@@ -91,47 +88,20 @@ def hf_config(
             f"the model has a shared expert (shared_ffn_dim {args.shared_ffn_dim}), which "
             "Qwen3MoeForCausalLM has no place for: export a model without one"
         )
-    scaling = args.rope_scaling
+    tokens = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
+        **decoder_config(args, dtype=dtype, **tokens),
         "moe_intermediate_size": args.moe_ffn_dim,
         "num_experts": args.num_experts,
         "num_experts_per_tok": args.top_k,
         "norm_topk_prob": args.norm_topk_prob,
         "decoder_sparse_step": args.decoder_sparse_step,
         "mlp_only_layers": list(args.mlp_only_layers),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "max_position_embeddings": args.max_seq_len,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None
-        if scaling is None
-        else {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_seq_len,
-        },
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "use_sliding_window": False,
         "sliding_window": None,
-        "tie_word_embeddings": args.tie_embeddings,
         "output_router_logits": False,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "torch_dtype": _dtype_name(dtype),
     }
 
 
