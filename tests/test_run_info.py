@@ -317,6 +317,8 @@ def test_two_processes_say_it_once_with_their_layout_and_leave_a_checkpoint(tmp_
     result = run_script(train_py, ["--nproc-per-node", "2", *args])
     assert "[rank 1] " in result.stderr
     assert result.returncode == 0, result.stderr
+    assert "for 2 steps on 2 cpu process(es)" in result.stderr  # gloo, on the loopback
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert start_up_lines(result.stderr) == [
         "attention: causal across packed documents (sdpa); RoPE positions run on across documents",
         "layout: 1 x 2 x 1 (dp_replicate x dp_shard x tp)",
