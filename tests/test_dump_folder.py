@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from plugtrain.commands.train import train
 from plugtrain.errors import DumpFolderError
 from plugtrain.testing import run_script, tiny_args
 from plugtrain.training import dump_folder
@@ -35,12 +36,11 @@ def locked_elsewhere(folder: Path) -> bool:
         os.close(fd)
 
 
-def test_a_dump_folder_that_is_a_file_is_one_line_and_exit_2(tmp_path, train_py):
+def test_a_dump_folder_that_is_a_file_is_one_line_and_exit_2(tmp_path, capsys):
     path = tmp_path / "run"
     path.write_text("not a folder")
-    result = run_script(train_py, tiny_args(path))
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
+    assert train(tiny_args(path)) == 2  # what train.py exits with, in this process
+    assert capsys.readouterr().err.strip().splitlines() == [
         f"plugtrain: error: job.dump_folder {path} is a file, not a folder: set job.dump_folder "
         "to a folder (it is created if missing)"
     ]
