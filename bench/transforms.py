@@ -133,7 +133,7 @@ class PlainLoop:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             policy = MixedPrecisionPolicy(trainer.param_dtype, trainer.reduce_dtype)
-            for block in self.model.layers:
+            for block in self.model.layers.values():
                 fully_shard(block, mesh=trainer.parallel_dims.get_mesh("dp"), mp_policy=policy)
             fully_shard(self.model, mesh=trainer.parallel_dims.get_mesh("dp"), mp_policy=policy)
             self.model.to_empty(device="cpu")

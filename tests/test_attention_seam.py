@@ -48,7 +48,7 @@ def test_training_attention_is_the_previous_computation_bitwise() -> None:
     m = model()
     x = torch.randn(2, 24, TINY.dim, generator=torch.Generator().manual_seed(1))
     freqs_cis = m.freqs_cis[:24]
-    for layer in m.layers:
+    for layer in m.layers.values():
         got = layer.attention(x, freqs_cis)
         torch.testing.assert_close(
             got, attention_before_the_seam(layer.attention, x, freqs_cis), rtol=0, atol=0
@@ -60,7 +60,7 @@ def test_cached_attention_is_the_previous_computation_bitwise() -> None:
     """A 1-token prompt, a multi-token chunk after it, then one-token steps: each of the
     mask cases (none at a single query, SDPA's is_causal, the offset mask)."""
     m = model()
-    attention, variant = m.layers[0].attention, SDPA()
+    attention, variant = m.layers["0"].attention, SDPA()
     ours, theirs = KVCache(TINY, max_batch=2), KVCache(TINY, max_batch=2)
     gen = torch.Generator().manual_seed(2)
     for seq in (1, 5, 1, 1, 3):

@@ -128,7 +128,7 @@ def test_generation_runs_compiled_blocks_eagerly() -> None:
     recompile at each cache length, and fail at dynamo's recompile limit: decoding runs them
     eagerly."""
     model, reference = make_model(), make_model()
-    for block in model.layers:
+    for block in model.layers.values():
         block.forward = torch.compile(block.forward, backend="eager", fullgraph=True, dynamic=False)
     model(tokens(batch=2, seq=16)).sum().backward()  # a training step's forward compiles them
     prompt = tokens(batch=1, seq=4)

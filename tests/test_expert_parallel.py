@@ -57,10 +57,10 @@ class Stack(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = nn.ModuleDict({"0": Block(), "1": Block()})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x)
         return x
 

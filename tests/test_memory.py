@@ -111,7 +111,7 @@ def test_a_blocks_kept_activations_are_those_estimated(mode, dtype):
         ctx = model_context({"activation_checkpointing": plugin}, *args, model=Transformer(ARGS))
         if args:
             plugin.wrap_model(ctx)
-        block = ctx.model.layers[0].to(dtype)
+        block = ctx.model.layers["0"].to(dtype)
         x = torch.randn(BATCH, SEQ, ARGS.dim, dtype=dtype, requires_grad=True)
         before = memory.live
         out = block(x, ctx.model.freqs_cis[:SEQ])

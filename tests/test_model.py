@@ -88,7 +88,7 @@ def reference_attention(attention: torch.nn.Module, x: torch.Tensor, freqs_cis: 
 def test_attention_matches_reference(n_kv_heads: int) -> None:
     args = dataclasses.replace(TINY, n_kv_heads=n_kv_heads)
     model = make_model(args)
-    attention = model.layers[0].attention
+    attention = model.layers["0"].attention
     assert attention.wk.weight.shape == (n_kv_heads * args.head_dim, args.dim)
     x = torch.randn(2, 12, args.dim, generator=torch.Generator().manual_seed(1))
     freqs_cis = model.freqs_cis[:12]
@@ -186,7 +186,7 @@ def test_init_weights_distributions() -> None:
     check(model.tok_embeddings.weight, 1.0, truncated=False)
     assert model.tok_embeddings.weight.abs().max().item() > 3  # a plain normal, not truncated
     check(model.output.weight, args.dim**-0.5, truncated=True)
-    for layer_id, layer in enumerate(model.layers):
+    for layer_id, layer in enumerate(model.layers.values()):
         for w in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
             check(w.weight, 0.02, truncated=True)
         for w in (layer.feed_forward.w1, layer.feed_forward.w3):
@@ -316,7 +316,7 @@ def fsdp_init_worker(rank: int, world_size: int, port: int, args: ModelArgs, see
         mesh = init_device_mesh("cpu", (world_size,))
         with torch.device("meta"):
             model = Transformer(args)
-        for block in model.layers:
+        for block in model.layers.values():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         model.to_empty(device="cpu")

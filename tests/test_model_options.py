@@ -54,7 +54,7 @@ def test_a_tied_model_has_one_matrix_for_both_ends():
     assert embedding.std().item() == pytest.approx(args.dim**-0.5, rel=0.1)
     assert torch.equal(embedding, _model(tie_embeddings=True).tok_embeddings.weight)
     # The blocks draw what the untied model's draw.
-    assert torch.equal(tied.layers[1].attention.wq.weight, untied.layers[1].attention.wq.weight)
+    assert torch.equal(tied.layers["1"].attention.wq.weight, untied.layers["1"].attention.wq.weight)
 
 
 def test_the_tied_gradient_is_the_sum_of_both_uses():
@@ -96,7 +96,7 @@ def test_rope_scaling_is_transformers_llama3():
 def test_an_exact_ffn_dim_overrides_multiple_of():
     args = dataclasses.replace(TINY, ffn_dim=77)
     assert args.ffn_hidden_dim == 77
-    assert Transformer(args).layers[0].feed_forward.w1.weight.shape == (77, TINY.dim)
+    assert Transformer(args).layers["0"].feed_forward.w1.weight.shape == (77, TINY.dim)
     with pytest.raises(ValueError, match="ffn_dim must be >= 1"):
         dataclasses.replace(TINY, ffn_dim=0)
 

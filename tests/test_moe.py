@@ -101,7 +101,7 @@ def test_the_model_builds_from_the_spec_and_counts_its_parameters():
     args = dataclasses.replace(DEBUG, mlp_only_layers=(0,), ffn_dim=48, shared_ffn_dim=16)
     model = MOE.build(args)
     assert isinstance(model, MoETransformer) and model_spec("moe") is MOE
-    assert model.layers[0].moe is None and model.layers[1].moe is not None
+    assert model.layers["0"].moe is None and model.layers["1"].moe is not None
     assert sum(p.numel() for p in model.parameters()) == args.num_params()
     init = MOE.init_plan(model)
     assert len(init) == len(list(model.parameters()))

@@ -77,7 +77,7 @@ def _tensor_parallel_against_unsharded() -> tuple[float, float, list[str]]:
         (grads[n].full_tensor() - p.grad).abs().max().item()
         for n, p in reference.named_parameters()
     )
-    assert model.layers[0].attention.wq.weight.to_local().shape[0] == TINY.dim // 2
+    assert model.layers["0"].attention.wq.weight.to_local().shape[0] == TINY.dim // 2
     return (logits - want).abs().max().item(), grad_diff, [n for n in plan if n not in modules]
 
 

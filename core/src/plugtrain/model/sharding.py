@@ -61,7 +61,7 @@ def shard_model(
         # unsharded anyway, such parameters stay out of FSDP2, whole on each rank.
         stored = conversion_of(model).stored
         ignored = {p for name, p in model.named_parameters() if name in stored} or None
-    layers = list(model.layers)
+    layers = list(model.layers.values())
     for i, block in enumerate(layers):
         # The last block stays gathered after forward, since backward needs it at once.
         fully_shard(

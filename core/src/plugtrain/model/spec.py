@@ -111,7 +111,8 @@ class ModelSpec:
     the trainer and the loss heads call Llama's ``Transformer``: ``model(tokens, cache, *,
     documents, positions, head)`` returning logits ``[B, S, vocab]`` (or ``head(hidden,
     project)``), and has ``args`` (with ``max_seq_len`` and ``vocab_size``), ``layers`` (the
-    blocks FSDP2 shards one by one), ``init_buffers()`` (its non-parameter state, after
+    blocks FSDP2 shards one by one: an ``nn.ModuleDict`` keyed by block index, ``"0"`` ..,
+    whose ``values()`` are in order), ``init_buffers()`` (its non-parameter state, after
     ``to_empty``) and ``kv_cache(max_batch, max_seq_len)`` (for decoding).
     """
 

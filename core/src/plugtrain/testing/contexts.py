@@ -174,7 +174,7 @@ def model_context(
     return ModelContext(
         config=config,
         model=model,
-        blocks=tuple(model.layers),  # type: ignore[arg-type]
+        blocks=tuple(model.layers.values()),  # type: ignore[arg-type]
         norm=model.norm,  # type: ignore[arg-type]
         loss_fn=cross_entropy,
         device=torch.device("cpu"),
@@ -204,7 +204,7 @@ def convert_context(
     return ConvertContext(
         config=config,
         model=model,
-        blocks=tuple(model.layers),  # type: ignore[arg-type]
+        blocks=tuple(model.layers.values()),  # type: ignore[arg-type]
         parallel_dims=parallel_dims or ParallelDims(),
         conversion=Conversion(open=True),
         name_of=name_of,

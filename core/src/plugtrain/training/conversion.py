@@ -50,7 +50,7 @@ def fire_convert_model(
     ctx = ConvertContext(
         config=config,
         model=model,
-        blocks=tuple(model.layers),  # type: ignore[arg-type]
+        blocks=tuple(model.layers.values()),  # type: ignore[arg-type]
         parallel_dims=parallel_dims,
         conversion=conversion,
         name_of=name_of,

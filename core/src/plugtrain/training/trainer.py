@@ -239,7 +239,7 @@ class Trainer:
         ctx = ModelContext(
             config=self.config,
             model=model,
-            blocks=tuple(model.layers),
+            blocks=tuple(model.layers.values()),
             norm=model.norm,
             loss_fn=self.loss.fn,
             device=self.device,

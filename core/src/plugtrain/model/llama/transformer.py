@@ -294,6 +294,9 @@ class Transformer(nn.Module):
 
     Build on any device (including meta) and then call ``init_weights(seed)``; the constructor's
     own initialisation is PyTorch's default and is not meant to be trained from.
+
+    ``layers`` is keyed by block index ("0" .. "n_layers-1"), so that a model holding some of
+    the blocks (a pipeline stage) keeps the whole model's names.
     """
 
     block_type: Callable[[int, ModelArgs], nn.Module] = TransformerBlock
@@ -306,7 +309,11 @@ class Transformer(nn.Module):
         # The layers' attention variant, whose per-forward mask forward builds once.
         self.attend = attention_variant(args.attention)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(self.block_type(i, args) for i in range(args.n_layers))
+        # Keyed by index, not a ModuleList: a pipeline stage that holds some of the blocks
+        # keeps their names (layers.5...), hence its checkpoint keys and plans by name.
+        self.layers = nn.ModuleDict(
+            {str(i): self.block_type(i, args) for i in range(args.n_layers)}
+        )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         # Tied: no module at all, so that the model has one parameter where FSDP2, DCP,
         # to_empty and init_weights each see one tensor (a module sharing the Parameter would be
@@ -354,7 +361,7 @@ class Transformer(nn.Module):
             freqs_cis = self.freqs_cis[positions]
         mask = self.attend.mask(tokens, start, documents)
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        for layer in self.layers.values():
             h = layer(h, freqs_cis, cache=cache, mask=mask)
         if cache is not None:
             cache.length += seq_len
@@ -385,7 +392,7 @@ class Transformer(nn.Module):
         out_std = self.args.dim**-0.5
         embedding = init_trunc_normal(out_std) if self.output is None else init_normal(1.0)
         plan: list[tuple[nn.Parameter, Fill]] = [(self.tok_embeddings.weight, embedding)]
-        for layer in self.layers:
+        for layer in self.layers.values():
             plan.extend(layer.init_plan())
         plan.append((self.norm.weight, init_ones))
         if self.output is not None:

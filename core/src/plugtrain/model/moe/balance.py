@@ -106,7 +106,7 @@ class Balance:
         """The balancing of ``model`` with ``[model]`` ``config``'s settings (``per_expert``:
         :meth:`metrics` gives every expert's load), its loads not reduced until :attr:`group`
         is set (several processes); None for a model without experts."""
-        layers = {i: b.moe for i, b in enumerate(model.layers) if getattr(b, "moe", None)}
+        layers = {int(i): b.moe for i, b in model.layers.items() if getattr(b, "moe", None)}
         if not layers:
             return None
         return cls(
