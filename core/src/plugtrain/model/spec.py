@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,9 +147,16 @@ class ModelSpec:
     """The memory formula: ``memory(args, *, world_size, microbatch, seq_len, param_dtype,
     reduce_dtype, checkpointing, dp_replicate, tp, loss_chunks)``, the bytes a step holds on
     each process (``plugtrain estimate``, the trainer's start-up line)."""
-    pipeline_split: Callable[..., Any] | None = None
-    """The hook for pipeline parallelism: how the model splits into stages. None: the family
-    cannot be pipelined yet (no family can: plugtrain has no pipeline schedule so far)."""
+    pipeline_split: Callable[[nn.Module, int, Sequence[int]], list[nn.Module]] | None = None
+    """``pipeline_split(model, stages, indices)``: stages ``indices`` of ``model`` (built,
+    unsharded, on the meta device) cut into ``stages``, one module each (a rank of an
+    interleaved schedule holds several). A stage keeps the whole model's parameter names, is
+    given the same keyword arguments as the whole model, and takes (and returns) the hidden
+    states where it has no embedding (no output); run one after another, the stages give the
+    whole model's output. An uneven split or tied embeddings over several stages are refused
+    in one ``ConfigError`` line. None: the family cannot be pipelined. Llama's and the moe
+    family's: ``model.llama.pipeline.pipeline_split`` (plugtrain has no pipeline schedule
+    yet)."""
 
 
 _PIECE = re.compile(r"(.+)\[(\d+)\]")

@@ -6,6 +6,7 @@ from plugtrain.model.llama.args import FLAVORS, ModelArgs
 from plugtrain.model.llama.hf import from_hf, hf_config, model_args_from_hf, parameter_shapes, to_hf
 from plugtrain.model.llama.memory import estimate_memory
 from plugtrain.model.llama.parallelize import check_tensor_parallel, parallelize
+from plugtrain.model.llama.pipeline import pipeline_split
 from plugtrain.model.llama.transformer import Transformer
 from plugtrain.model.spec import HFAdapter, ModelSpec
 
@@ -31,7 +32,7 @@ LLAMA = ModelSpec(
     flops_per_token=ModelArgs.flops_per_token,
     gemms=ModelArgs.gemms,
     memory=estimate_memory,
-    pipeline_split=None,
+    pipeline_split=pipeline_split,
 )
 """Llama 3's architecture (``llama/transformer.py``), at the shapes ``FLAVORS`` names or a
 ``LlamaForCausalLM`` config.json gives."""

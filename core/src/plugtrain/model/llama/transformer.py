@@ -295,8 +295,11 @@ class Transformer(nn.Module):
     Build on any device (including meta) and then call ``init_weights(seed)``; the constructor's
     own initialisation is PyTorch's default and is not meant to be trained from.
 
-    ``layers`` is keyed by block index ("0" .. "n_layers-1"), so that a model holding some of
-    the blocks (a pipeline stage) keeps the whole model's names.
+    A pipeline stage (``model.llama.pipeline.pipeline_split``) is this model with some of its
+    modules None: without ``tok_embeddings``, ``tokens`` is the previous stage's hidden states
+    [B, S, dim]; without ``norm`` (and ``output``), forward returns the last block's hidden
+    states. ``layers`` is keyed by block index ("0" .. "n_layers-1"), so a stage's blocks keep
+    the whole model's names.
     """
 
     block_type: Callable[[int, ModelArgs], nn.Module] = TransformerBlock
@@ -360,11 +363,14 @@ class Transformer(nn.Module):
         else:  # each token's rotation, [B, S, head_dim/2]: a gather, no host read
             freqs_cis = self.freqs_cis[positions]
         mask = self.attend.mask(tokens, start, documents)
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage without the embedding is given the previous stage's hidden states.
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, freqs_cis, cache=cache, mask=mask)
         if cache is not None:
             cache.length += seq_len
+        if self.norm is None:  # a pipeline stage before the last: its hidden states
+            return h
         h = self.norm(h)
         if head is not None:
             return head(h, self.project)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from plugtrain.model.llama.pipeline import pipeline_split
 from plugtrain.model.moe.args import FLAVORS, MoEArgs
 from plugtrain.model.moe.hf import (
     from_hf,
@@ -39,7 +40,7 @@ MOE = ModelSpec(
     flops_per_token=MoEArgs.flops_per_token,
     gemms=MoEArgs.gemms,
     memory=estimate_memory,
-    pipeline_split=None,
+    pipeline_split=pipeline_split,
 )
 """Qwen3-MoE's architecture (``moe/transformer.py``), at the shapes ``FLAVORS`` names or a
 ``Qwen3MoeForCausalLM`` config.json gives."""
