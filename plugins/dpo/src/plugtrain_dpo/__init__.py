@@ -244,21 +244,9 @@ class Dpo:
 
     def __call__(self, model: nn.Module, microbatch: MicroBatch, index: int) -> torch.Tensor:
         """The microbatch's DPO losses, summed over its pairs."""
-        inputs, extra = microbatch.inputs, microbatch.model_inputs()
         with torch.no_grad():
-            if self.precomputed is not None:
-                counts = completion_counts(microbatch)
-                ref_sums = self.precomputed.lookup(microbatch, counts)
-            else:
-                if self.adapters_off is not None:
-                    with self.adapters_off:
-                        ref_logits = model(inputs, **extra)
-                else:
-                    assert self.reference is not None
-                    # Resharded as its forward ends (SetupContext.frozen_copy).
-                    ref_logits = self.reference(inputs, **extra)
-                ref_sums, counts = side_sums(ref_logits, microbatch)
-        sums, _ = side_sums(model(inputs, **extra), microbatch)
+            ref_sums, counts = self._reference_sums(model, microbatch)
+        sums, _ = side_sums(model(microbatch.inputs, **microbatch.model_inputs()), microbatch)
         valid = pairs_of(counts)
         if self.config.loss_type == "ipo":  # IPO: log-probs averaged over the completion
             per_token = counts.clamp(min=1)
@@ -274,6 +262,22 @@ class Dpo:
             losses = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
         self._observe(beta * chosen.detach(), beta * rejected.detach(), valid, index)
         return torch.where(valid, losses, 0.0).sum()
+
+    def _reference_sums(
+        self, model: nn.Module, microbatch: MicroBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's :func:`side_sums` of ``microbatch``: looked up (``precomputed``), or
+        from a forward of the policy with its adapters off, or of the frozen copy."""
+        if self.precomputed is not None:
+            counts = completion_counts(microbatch)
+            return self.precomputed.lookup(microbatch, counts), counts
+        inputs, extra = microbatch.inputs, microbatch.model_inputs()
+        if self.adapters_off is not None:
+            with self.adapters_off:
+                return side_sums(model(inputs, **extra), microbatch)
+        assert self.reference is not None
+        # Resharded as its forward ends (SetupContext.frozen_copy).
+        return side_sums(self.reference(inputs, **extra), microbatch)
 
     def _observe(
         self, chosen: torch.Tensor, rejected: torch.Tensor, valid: torch.Tensor, microbatch: int
