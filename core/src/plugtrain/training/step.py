@@ -44,12 +44,16 @@ class StepRunner:
     ) -> None:
         self.model, self.host, self.hook = model, host, host.hook
         self.sync_replicas, self.timer = sync_replicas, timer
-        self.balance = Balance.of(model, ctx.config.model, ctx.config.metrics.moe_tokens_per_expert)
+        dims = ctx.parallel_dims
+        self.balance = Balance.of(
+            model,
+            ctx.config.model,
+            ctx.config.metrics.moe_tokens_per_expert,
+            data_parallel_group(dims) if dims.world_size > 1 else None,
+        )
         """The load balancing of the model's mixture-of-experts layers; None without any."""
         if self.balance is not None:
             self.balance.attach(ctx.optimizer)  # the bias moves in the optimizer's step
-            if ctx.parallel_dims.world_size > 1:
-                self.balance.group = data_parallel_group(ctx.parallel_dims)
         own = {"moe": self.balance.terms} if self.balance and self.balance.has_losses else {}
         self.loss_terms = LossTerms.of(host, own)
         """The loss terms, the plugins' and the core's own; None if none is on."""

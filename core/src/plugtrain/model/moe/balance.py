@@ -102,10 +102,16 @@ class Balance:
         self._pending = False  # the loads taken have not moved the bias yet
 
     @classmethod
-    def of(cls, model: nn.Module, config: Any, per_expert: bool = False) -> Balance | None:
+    def of(
+        cls,
+        model: nn.Module,
+        config: Any,
+        per_expert: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ) -> Balance | None:
         """The balancing of ``model`` with ``[model]`` ``config``'s settings (``per_expert``:
-        :meth:`metrics` gives every expert's load), its loads not reduced until :attr:`group`
-        is set (several processes); None for a model without experts."""
+        :meth:`metrics` gives every expert's load), its loads summed over ``group`` (None: one
+        process); None for a model without experts."""
         layers = {int(i): b.moe for i, b in model.layers.items() if getattr(b, "moe", None)}
         if not layers:
             return None
@@ -114,6 +120,7 @@ class Balance:
             aux_loss_weight=config.moe_aux_loss_weight,
             z_loss_weight=config.moe_z_loss_weight,
             bias_update_rate=config.moe_bias_update_rate,
+            group=group,
             per_expert=per_expert,
         )
 
@@ -146,7 +153,7 @@ class Balance:
     def after_backward(self) -> None:
         """Take the step's tokens per expert off the layers (zeroing their counts) and, with a
         rate, sum them over the ranks (on every rank, vetoed step or not) for :meth:`step`."""
-        self.load = torch.stack([m.tokens_per_expert.clone() for m in self.layers])
+        self.load = torch.stack([m.tokens_per_expert for m in self.layers])  # a copy
         self._reduced = False
         for m in self.layers:
             m.tokens_per_expert.zero_()
