@@ -7,7 +7,7 @@ import torch
 
 from plugtrain.config import ParallelismConfig
 from plugtrain.distributed import ParallelDims, init_parallel_dims, parallel_dims
-from plugtrain.errors import ConfigError
+from plugtrain.errors import ConfigError, FieldError
 from plugtrain.plugin import ParallelDims as PluginParallelDims
 from plugtrain.plugin import data_parallel_group, hookimpl
 from plugtrain.testing import make_trainer, run_distributed
@@ -67,13 +67,84 @@ def test_expert_parallelism_is_carved_out_of_dp_shard():
     )
 
 
-@pytest.mark.parametrize("name", ["pp", "cp"])
-def test_the_builder_refuses_dimensions_not_supported_yet(name):
+def test_the_builder_refuses_dimensions_not_supported_yet():
     with pytest.raises(ConfigError) as refused:
-        parallel_dims(ParallelismConfig(), 4, **{name: 2})
+        parallel_dims(ParallelismConfig(), 4, cp=2)
     assert str(refused.value) == (
-        f"{name} = 2: this parallel dimension is not supported yet; leave it at 1"
+        "cp = 2: this parallel dimension is not supported yet; leave it at 1"
     )
+
+
+@pytest.mark.parametrize(
+    ("degrees", "world", "shape"),
+    [
+        ({"pp": 2}, 2, (2, 1, 1, 1)),  # two stages, one rank each
+        ({"pp": 2}, 4, (2, 1, 2, 1)),  # PP 2 x FSDP 2
+        ({"pp": 2, "tp": 2}, 8, (2, 1, 2, 2)),  # PP 2 x FSDP 2 x TP 2
+        ({"pp": 2, "dp_replicate": 2}, 8, (2, 2, 2, 1)),  # PP 2 x HSDP 2 x 2
+    ],
+)
+def test_pipeline_stages_are_the_outermost_dimension(degrees, world, shape):
+    # Row-major over pp x dp_replicate x dp_shard x tp: a stage's ranks are consecutive, and
+    # the ranks of one line of stages (same data-parallel and tp place) read the same batches.
+    layout = torch.arange(world).reshape(shape)
+    for rank in range(world):
+        dims = parallel_dims(ParallelismConfig(**degrees), world, rank=rank)
+        assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp) == shape
+        coordinates = [int(c) for c in torch.nonzero(layout == rank)[0]]
+        assert [dims.rank_in(n) for n in ("pp", *NAMES)] == coordinates
+        assert dims.dp_size == shape[1] * shape[2] and dims.pp_enabled
+        assert dims.dp_rank == coordinates[1] * shape[2] + coordinates[2]
+
+
+def test_pipeline_degrees_that_do_not_fit_are_refused_in_one_line():
+    with pytest.raises(ConfigError) as refused:
+        parallel_dims(ParallelismConfig(pp=3), 4)
+    assert str(refused.value) == (
+        "parallelism.pp = 3 does not divide the world size 4: launch a multiple of 3 "
+        "processes, or set pp to a divisor of 4"
+    )
+    with pytest.raises(ConfigError) as refused:
+        parallel_dims(ParallelismConfig(pp=2, ep=2), 4)
+    assert str(refused.value) == (
+        "parallelism.ep = 2 with pp = 2: expert parallelism does not compose with pp yet; set "
+        "parallelism.pp = 1, or ep = 1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            {"pp_schedule": "1f1b"},
+            "pp_schedule is '1f1b', not a pipeline schedule: choose one of GPipe, 1F1B, "
+            "Interleaved1F1B, ZBVZeroBubble, DualPipeV",
+        ),
+        (
+            {"pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 3},
+            "pp_stages_per_rank is 3, but ZBVZeroBubble holds exactly 2 stages per rank: set it "
+            "so, or -1 for the schedule's least",
+        ),
+        (
+            {"pp_schedule": "Interleaved1F1B", "pp_stages_per_rank": 1},
+            "pp_stages_per_rank is 1, but Interleaved1F1B holds 2 or more stages per rank: set "
+            "it so, or -1 for the schedule's least",
+        ),
+        ({"pp": 0}, "pp must be >= 1, got 0"),
+    ],
+)
+def test_pipeline_settings_are_checked_in_one_line(keys, message):
+    with pytest.raises(FieldError) as refused:
+        ParallelismConfig(**keys)
+    assert f"{refused.value.key} {refused.value.message}" == message
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages"),
+    [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)],
+)
+def test_each_schedule_has_its_least_stages_per_rank(schedule, stages):
+    assert ParallelismConfig(pp_schedule=schedule).stages_per_rank == stages
 
 
 def test_the_builder_keeps_the_mesh_shapes_errors():

@@ -7,8 +7,9 @@ CPU uses the gloo backend, CUDA uses NCCL. One device mesh is built, its dimensi
 ``("dp_shard",)`` for FSDP over every rank, ``("dp_replicate", "dp_shard")`` for hybrid sharding
 (``[parallelism]``), ``("dp_replicate", "dp_shard", "tp")`` with tensor parallelism (the ``tp``
 ranks consecutive: the GPUs of one node), ``("dp_shard_mod_ep", "ep")`` with expert parallelism
-(``dp_shard`` their flattening: the ``ep`` ranks consecutive). Each named dimension, and the
-data-parallel one (``"dp"``: every dimension but ``tp``), is sliced from it.
+(``dp_shard`` their flattening: the ``ep`` ranks consecutive), and ``"pp"`` in front of them with
+pipeline parallelism (each stage's ranks consecutive). Each named dimension, and the
+data-parallel one (``"dp"``: every dimension but ``pp`` and ``tp``), is sliced from it.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from plugtrain.errors import ConfigError
 
 DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 """The named parallel dimensions, outermost first. ``ep`` (expert parallelism) is carved out of
-``dp_shard``: its ranks are the innermost ``ep`` of a ``dp_shard`` group. ``pp`` and ``cp``
-have no config keys yet and are always 1."""
+``dp_shard``: its ranks are the innermost ``ep`` of a ``dp_shard`` group. ``cp`` has no config
+key yet and is always 1."""
 
 EXPERT_SHARD = "dp_shard_mod_ep"
 """The mesh dimension, under expert parallelism, of the ``dp_shard / ep`` ranks that hold the
@@ -45,6 +46,7 @@ class Degrees(Protocol):
     dp_shard: int
     tp: int
     ep: int
+    pp: int
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,9 @@ class ParallelDims:
     it, and its device mesh, by name (:data:`DIMENSIONS`, and ``"dp"``: the data-parallel ranks).
 
     The ranks are laid out row-major over ``pp x dp_replicate x dp_shard x cp x tp`` (``tp``
-    innermost: consecutive ranks). The ranks of one ``tp`` group (and, later, of one ``pp``
-    stage line or ``cp`` group) read the same batches; the data-parallel ones, ``dp_replicate x
-    dp_shard``, read different ones.
+    innermost: consecutive ranks). The ranks of one ``tp`` group, of one line of ``pp`` stages
+    (and, later, of a ``cp`` group) read the same batches; the data-parallel ones,
+    ``dp_replicate x dp_shard``, read different ones.
     """
 
     dp_replicate: int = 1
@@ -65,7 +67,8 @@ class ParallelDims:
     tp: int = 1
     """Tensor-parallel degree: ranks that split each projection and read the same data."""
     pp: int = 1
-    """Pipeline stages (not supported yet: 1)."""
+    """Pipeline-parallel degree: the ranks a line of pipeline stages spans, each holding its
+    own stages of the model."""
     ep: int = 1
     """Expert-parallel degree, a divisor of ``dp_shard``: the ranks that split each layer's
     routed experts."""
@@ -157,7 +160,8 @@ class ParallelDims:
         shards over: ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` under HSDP.
 
         A dimension that is not in this run's mesh (``tp`` without tensor parallelism,
-        ``dp_replicate`` without HSDP, ``ep`` without expert parallelism, ``pp``, ``cp``) is
+        ``dp_replicate`` without HSDP, ``ep`` without expert parallelism, ``pp`` without a
+        pipeline, ``cp``) is
         refused in one line. Under expert parallelism there is also :data:`EXPERT_SHARD`.
         """
         if self.root is None:
@@ -171,7 +175,7 @@ class ParallelDims:
             # flattened name from the root warns of its deprecation.
             return self.root[(EXPERT_SHARD, "ep")]._flatten("dp_shard")
         if name == "dp":
-            data_parallel = tuple(n for n in names if n != "tp")
+            data_parallel = tuple(n for n in names if n not in ("pp", "tp"))
             return self.root if data_parallel == names else self.root[data_parallel]
         if name not in names:
             raise ValueError(
@@ -199,14 +203,22 @@ def resolve_device(choice: str) -> torch.device:
 
 
 def mesh_shape(
-    world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
+    world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1
 ) -> tuple[int, ...]:
-    """The mesh's shape for ``parallelism.dp_replicate``, ``dp_shard`` and ``tp`` on
+    """The mesh's shape for ``parallelism.dp_replicate``, ``dp_shard``, ``tp`` and ``pp`` on
     ``world_size`` ranks: ``(world_size,)`` for plain FSDP, ``(dp_replicate, dp_shard)`` for
-    HSDP, ``(dp_replicate, dp_shard, tp)`` with tensor parallelism.
+    HSDP, ``(dp_replicate, dp_shard, tp)`` with tensor parallelism, ``pp`` in front with
+    pipeline parallelism.
 
     Degrees whose product is not the world size are refused in one line naming them.
     """
+    if pp > 1:
+        if world_size % pp:
+            raise ConfigError(
+                f"parallelism.pp = {pp} does not divide the world size {world_size}: launch a "
+                f"multiple of {pp} processes, or set pp to a divisor of {world_size}"
+            )
+        return (pp, *mesh_shape(world_size // pp, dp_replicate, dp_shard, tp))
     if tp > 1:
         if world_size % tp:
             raise ConfigError(
@@ -245,36 +257,32 @@ def parallel_dims(
     rank: int = 0,
     local_rank: int = 0,
     device: torch.device = CPU,
-    pp: int = 1,
     cp: int = 1,
 ) -> ParallelDims:
     """The :class:`ParallelDims` of ``degrees`` (the ``[parallelism]`` section) on ``world_size``
     ranks, without a mesh: the degrees checked as :func:`mesh_shape` checks them, ``dp_shard``
-    resolved. ``pp`` and ``cp`` above 1 are refused in one line (not supported yet), as is
-    expert parallelism with tensor parallelism or HSDP (not composed yet)."""
-    for name, degree in (("pp", pp), ("cp", cp)):
-        if degree > 1:
-            raise ConfigError(
-                f"{name} = {degree}: this parallel dimension is not supported yet; leave it at 1"
-            )
-    ep = degrees.ep
-    for name, degree in (("tp", degrees.tp), ("dp_replicate", degrees.dp_replicate)):
+    resolved. ``cp`` above 1 is refused in one line (not supported yet), as is expert
+    parallelism with tensor, hybrid or pipeline parallelism (not composed yet)."""
+    if cp > 1:
+        raise ConfigError(f"cp = {cp}: this parallel dimension is not supported yet; leave it at 1")
+    ep, pp = degrees.ep, degrees.pp
+    others = (("tp", degrees.tp), ("dp_replicate", degrees.dp_replicate), ("pp", pp))
+    for name, degree in others:
         if ep > 1 and degree > 1:
             raise ConfigError(
                 f"parallelism.ep = {ep} with {name} = {degree}: expert parallelism does not "
                 f"compose with {name} yet; set parallelism.{name} = 1, or ep = 1"
             )
-    shape = mesh_shape(world_size, degrees.dp_replicate, degrees.dp_shard, degrees.tp)
+    shape = mesh_shape(world_size, degrees.dp_replicate, degrees.dp_shard, degrees.tp, pp)
+    shape = shape[1:] if pp > 1 else shape  # the data-parallel and tensor-parallel part
     dp_shard = shape[1] if len(shape) == 3 else shape[-1]
     return ParallelDims(
-        degrees.dp_replicate, dp_shard, degrees.tp, ep=ep, rank=rank, local_rank=local_rank,
-        device=device,
+        degrees.dp_replicate, dp_shard, degrees.tp, pp=pp, ep=ep, rank=rank,
+        local_rank=local_rank, device=device,
     )  # fmt: skip
 
 
-def init_parallel_dims(
-    device_choice: str, degrees: Degrees, *, pp: int = 1, cp: int = 1
-) -> ParallelDims:
+def init_parallel_dims(device_choice: str, degrees: Degrees, *, cp: int = 1) -> ParallelDims:
     """Join (or, for a plain ``python`` launch, create) the process group and build the job's
     :class:`ParallelDims` from ``degrees`` (the ``[parallelism]`` section), with its one mesh:
     the run's single builder of its degrees, meshes and ranks."""
@@ -291,13 +299,17 @@ def init_parallel_dims(
             # A private HashStore makes a one-process group without opening a port, so
             # the single-process run takes exactly the same FSDP2 code path as torchrun's.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if degrees.pp > 1:
+        raise ConfigError(
+            f"parallelism.pp = {degrees.pp}: pipeline parallelism is not supported yet; leave "
+            "it at 1"
+        )
     dims = parallel_dims(
         degrees,
         dist.get_world_size(),
         rank=dist.get_rank(),
         local_rank=local_rank,
         device=device,
-        pp=pp,
         cp=cp,
     )
     return dataclasses.replace(dims, root=_device_mesh(dims, device.type))
@@ -319,6 +331,8 @@ def _device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     names = ("dp_replicate", "dp_shard", "tp")
     if not dims.tp_enabled:
         names = names[:2] if dims.dp_replicate_enabled else ("dp_shard",)
+    if dims.pp_enabled:
+        names = ("pp", *names)
     shape = tuple(dims.size(name) for name in names)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 

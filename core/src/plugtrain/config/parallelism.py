@@ -1,4 +1,4 @@
-"""The [parallelism] section: how the ranks shard the model: FSDP, HSDP, TP and EP."""
+"""The [parallelism] section: how the ranks split the model: FSDP, HSDP, TP, EP and PP."""
 
 from __future__ import annotations
 
@@ -6,10 +6,18 @@ from dataclasses import dataclass
 
 from plugtrain.errors import check_field
 
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+"""The pipeline schedules ``pp_schedule`` names (``torch.distributed.pipelining``'s)."""
+
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""The schedules whose two stages per rank are placed in a V: rank ``r`` holds stages ``r``
+and ``2 pp - 1 - r``, so that the first and the last stage share a rank."""
+
 
 @dataclass
 class ParallelismConfig:
-    """How the ranks split the model: FSDP or HSDP, with or without TP; FSDP with EP."""
+    """How the ranks split the model: FSDP or HSDP, with or without TP; FSDP with EP; PP
+    outermost."""
 
     # Every data-parallel rank trains on its own slice of each batch (a tp group's ranks share
     # one): the degrees decide where each parameter's shards live. Their product is the world
@@ -35,6 +43,23 @@ class ParallelismConfig:
     all of them. It must divide ``dp_shard`` and the number of experts. 1: no expert
     parallelism."""
 
+    pp: int = 1
+    """Pipeline stages' ranks: the model's blocks are cut into ``pp`` consecutive parts (times
+    ``pp_stages_per_rank``), the embedding on the first, the final norm and output on the
+    last, and each step's microbatches (``training.grad_accum_steps``) flow through them by
+    ``pp_schedule``. The outermost dimension: ``pp x dp_replicate x dp_shard x tp`` is the
+    world size, and a stage's ranks shard it by the inner ones (the nodes of a cluster,
+    typically, each a stage). 1: no pipeline."""
+    pp_schedule: str = "1F1B"
+    """The pipeline schedule (``torch.distributed.pipelining``): ``GPipe`` (every forward,
+    then every backward), ``1F1B`` (one forward one backward: fewer activations held),
+    ``Interleaved1F1B`` (several stages per rank: a smaller bubble), ``ZBVZeroBubble`` and
+    ``DualPipeV`` (two stages per rank in a V, the input and weight gradients split to fill the
+    bubble)."""
+    pp_stages_per_rank: int = -1
+    """Stages each pipeline rank holds: 1 for GPipe and 1F1B, 2 or more for Interleaved1F1B,
+    exactly 2 for ZBVZeroBubble and DualPipeV; -1: the schedule's least (1, or 2)."""
+
     def __post_init__(self) -> None:
         check_field(
             self.dp_replicate >= 1, "dp_replicate", f"must be >= 1, got {self.dp_replicate}"
@@ -46,3 +71,32 @@ class ParallelismConfig:
         )
         check_field(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
         check_field(self.ep >= 1, "ep", f"must be >= 1, got {self.ep}")
+        check_field(self.pp >= 1, "pp", f"must be >= 1, got {self.pp}")
+        names = ", ".join(PIPELINE_SCHEDULES)
+        check_field(
+            self.pp_schedule in PIPELINE_SCHEDULES,
+            "pp_schedule",
+            f"is '{self.pp_schedule}', not a pipeline schedule: choose one of {names}",
+        )
+        check_field(
+            self.pp_stages_per_rank == -1 or self.pp_stages_per_rank >= 1,
+            "pp_stages_per_rank",
+            f"must be >= 1, or -1 for the schedule's least, got {self.pp_stages_per_rank}",
+        )
+        stages, schedule = self.stages_per_rank, self.pp_schedule
+        wanted = {"GPipe": "exactly 1", "1F1B": "exactly 1", "Interleaved1F1B": "2 or more"}
+        check_field(
+            stages == 1
+            if schedule in ("GPipe", "1F1B")
+            else stages == 2 or (schedule == "Interleaved1F1B" and stages > 2),
+            "pp_stages_per_rank",
+            f"is {stages}, but {schedule} holds {wanted.get(schedule, 'exactly 2')} stages per "
+            "rank: set it so, or -1 for the schedule's least",
+        )
+
+    @property
+    def stages_per_rank(self) -> int:
+        """``pp_stages_per_rank`` resolved: -1 is 1 for GPipe and 1F1B, else 2."""
+        if self.pp_stages_per_rank != -1:
+            return self.pp_stages_per_rank
+        return 1 if self.pp_schedule in ("GPipe", "1F1B") else 2
