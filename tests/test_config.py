@@ -256,7 +256,9 @@ def test_help_lists_the_choices_of_fields_with_fixed_choices():
     assert "  --ch.limit (int or None; default None)" in lines
     assert "  --ch.names (list of str; default [])" in lines
     assert "  --training.device (one of 'auto', 'cpu', 'cuda'; default 'auto')" in lines
-    flavors = "'tiny', 'debug', '1B', '3B', '8B', '70B', 'debug_moe', 'qwen3_30b_a3b', 'hf'"
+    flavors = (
+        "'tiny', 'tiny4', 'debug', '1B', '3B', '8B', '70B', 'debug_moe', 'qwen3_30b_a3b', 'hf'"
+    )
     assert f"  --model.flavor (one of {flavors}; default 'debug')" in lines
 
 

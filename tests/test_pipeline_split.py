@@ -110,13 +110,22 @@ def test_stages_one_after_another_give_the_whole_models_logits(family, n_stages)
     names = [{n for n, _ in stage.named_parameters()} for stage in stages]
     assert set().union(*names) == {n for n, _ in model.named_parameters()}
     assert sum(map(len, names)) == len(list(model.parameters()))  # disjoint
-    assert len(model.layers) == SHAPES[family].n_layers  # the model itself is left whole
+    assert len(model.layers) == SHAPES[family].n_layers  # every stage: the model left whole
 
 
 def test_a_rank_holds_the_stages_it_names_in_their_order():
     """An interleaved schedule's rank: stages 3 and 1 of 4, the last with the norm and output."""
     model = model_of("llama")
+    whole = dict(model.named_parameters())
     last, second = LLAMA.pipeline_split(model, 4, [3, 1])
+    # The model is pruned into the rank's part: its stages' modules under the whole's names,
+    # the very parameters the stages train.
+    part = dict(model.named_parameters())
+    assert list(model.layers) == ["1", "3"] and model.tok_embeddings is None
+    assert all(whole[name] is param for name, param in part.items())
+    stage_params = {n: p for stage in (last, second) for n, p in stage.named_parameters()}
+    assert stage_params.keys() == part.keys()
+    assert all(param is part[name] for name, param in stage_params.items())
     assert list(last.layers) == ["3"] and list(second.layers) == ["1"]
     assert last.tok_embeddings is None and last.norm is not None and last.output is not None
     assert second.tok_embeddings is None and second.norm is None and second.output is None

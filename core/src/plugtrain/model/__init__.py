@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from plugtrain.model.moe.transformer import MoETransformer as MoETransformer
     from plugtrain.model.sharding import DTYPES as DTYPES
     from plugtrain.model.sharding import build_model as build_model
+    from plugtrain.model.sharding import pipeline_stages as pipeline_stages
     from plugtrain.model.sharding import replica_sync as replica_sync
     from plugtrain.model.sharding import reshard as reshard
     from plugtrain.model.spec import HFAdapter as HFAdapter

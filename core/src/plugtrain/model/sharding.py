@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from plugtrain.model.conversion import conversion_of
-from plugtrain.model.init import fill_parameter, initialize
+from plugtrain.model.init import fill_parameter
 from plugtrain.model.moe.expert_parallel import parallelize_experts, shard_experts
 from plugtrain.model.spec import ModelSpec
 
@@ -38,6 +38,7 @@ def shard_model(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     experts_mesh: DeviceMesh | None = None,
+    stages: Sequence[nn.Module] | None = None,
 ) -> MixedPrecisionPolicy:
     """Apply FSDP2 to each transformer block, then to the root; return the policy used.
 
@@ -46,6 +47,10 @@ def shard_model(
     (HSDP: gradients are reduce-scattered within a row, then all-reduced across rows).
     Under expert parallelism the routed experts are sharded first, over ``experts_mesh``
     (``model.moe.expert_parallel.shard_experts``).
+    A pipeline rank's part (``stages``, its views) has each of its stages sharded as a root
+    of its own, and no block resharded after forward: the schedules run several microbatches'
+    forwards before their backwards, and the zero-bubble ones take the weight gradients apart
+    from the input gradients, which resharded parameters leave out silently (PiPPy #1105).
     Nothing is applied where :func:`needs_sharding` says there is nothing to do: the
     parameters then stay plain tensors.
     """
@@ -64,11 +69,13 @@ def shard_model(
     layers = list(model.layers.values())
     for i, block in enumerate(layers):
         # The last block stays gathered after forward, since backward needs it at once.
+        reshard = stages is None and i < len(layers) - 1
         fully_shard(
-            block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(layers) - 1,
+            block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard,
             ignored_params=ignored,
         )  # fmt: skip
-    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    for root in [model] if stages is None else stages:
+        fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     return policy
 
 
@@ -92,10 +99,12 @@ def replica_sync(model: nn.Module, mesh: DeviceMesh) -> Callable[[bool], None]:
 
 def reshard(model: nn.Module) -> None:
     """Free every unsharded parameter FSDP2 still holds, so that the next forward all-gathers
-    the shards as they are then (a no-op for modules already resharded)."""
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    the shards as they are then (a no-op for modules already resharded); a pipeline rank's
+    stages' too."""
+    for stage in pipeline_stages(model):
+        for module in stage.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def build_model(
@@ -110,11 +119,15 @@ def build_model(
     init_weights: bool = True,
     tp_mesh: DeviceMesh | None = None,
     ep_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
+    pipeline: tuple[int, Sequence[int]] | None = None,
 ) -> nn.Module:
     """Build family ``spec``'s model of shape ``args`` on the meta device, ``transform`` it,
     split it over ``tp_mesh`` (its TP plan, if given), split its experts over the first of
     ``ep_meshes`` (``ep``, if given) and shard them over the second (``dp_shard_mod_ep``),
     shard the rest over ``mesh``, then materialise and initialise it (its init plan).
+    ``pipeline`` (stages, this rank's stage indices) prunes it into this rank's part of a
+    pipeline (``ModelSpec.pipeline_split``) before it is sharded: the stages it runs are then
+    :func:`pipeline_stages`.
 
     ``transform`` (the plugins' model hooks) sees the unsharded model on the meta device and
     changes it in place; the parameters a plugin added there (``model/conversion.py``) are
@@ -137,20 +150,40 @@ def build_model(
         parallelize_experts(model, ep_meshes[0], spec.name)
         experts_mesh = ep_meshes[1]
     conversion.store_meta(model)
-    shard_model(model, mesh, param_dtype, reduce_dtype, experts_mesh)
+    # By name, on the whole model: a pipeline rank's part draws each parameter it holds from
+    # its index in the whole model's plan. A plugin's added parameters come after the family's
+    # own, whose draws they leave as they are without the plugin.
+    own = [(param, fill) for param, fill in spec.init_plan(model)]
+    names = {id(param): name for name, param in model.named_parameters()}
+    plan = [(names[id(param)], fill) for param, fill in [*own, *conversion.init_plan(model)]]
+    stages = None if pipeline is None else spec.pipeline_split(model, *pipeline)
+    shard_model(model, mesh, param_dtype, reduce_dtype, experts_mesh, stages)
     model.to_empty(device=device)
-    # The parameters a plugin added come after the family's own, whose draws they leave as
-    # they are without the plugin.
-    plan, added = spec.init_plan(model), conversion.init_plan(model)
-    if init_weights:
-        stored = {
-            id(param): functools.partial(conversion.load_stored, model, name)
-            for name, param in model.named_parameters()
-            if name in conversion.stored
-        }
-        initialize(model, [*plan, *added], seed, stored)
-    else:  # the loaded weights have no place for the added ones: drawn as initialize would
-        for index, (param, fill) in enumerate(added, start=len(plan)):
-            fill_parameter(param, fill, seed, index)
+    params = dict(model.named_parameters())
+    held = [(index, name, fill) for index, (name, fill) in enumerate(plan) if name in params]
+    if len(held) != len(params) or len(plan) != len(set(name for name, _ in plan)):
+        missing = sorted(set(params) - {name for _, name, _ in held})
+        raise RuntimeError(f"init_plan does not cover each parameter exactly once: {missing}")
+    for index, name, fill in held:
+        # Without init_weights only the added parameters, which loaded weights have no place for.
+        if init_weights or index >= len(own):
+            store = None
+            if name in conversion.stored:
+                store = functools.partial(conversion.load_stored, model, name)
+            fill_parameter(params[name], fill, seed, index, store)
     model.init_buffers()
+    if stages is not None:
+        for stage in stages:  # its own RoPE buffer; its modules are the model's, filled above
+            stage.to_empty(device=device, recurse=False)
+            stage.init_buffers()
+        object.__setattr__(model, _STAGES, tuple(stages))
     return model
+
+
+_STAGES = "_plugtrain_pipeline_stages"
+
+
+def pipeline_stages(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The pipeline stages this rank runs of ``model`` (built by :func:`build_model`), each a
+    view sharing its modules; ``(model,)`` for a model that is not split."""
+    return getattr(model, _STAGES, (model,))

@@ -208,6 +208,16 @@ FLAVORS: dict[str, ModelArgs] = {
         multiple_of=16,
         max_seq_len=64,
     ),
+    # Pipeline tests: tiny's blocks, four of them, which 2 and 4 stages divide.
+    "tiny4": ModelArgs(
+        dim=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=256,
+        multiple_of=16,
+        max_seq_len=64,
+    ),
     # CPU default of `python train.py`: 3.5M parameters besides the embedding (vocab 2048).
     # Measured on 2 idle CPU cores, fp32, batch 8 x 128 tokens: forward+backward 0.16 s a step;
     # 100 steps with AdamW take 17 s in 1 process and 25 s in 2 FSDP2 processes (gloo), which
