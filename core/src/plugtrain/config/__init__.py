@@ -40,7 +40,7 @@ from plugtrain.config.loading import (
 )
 from plugtrain.config.metrics import MetricsConfig
 from plugtrain.config.model import ModelConfig
-from plugtrain.config.parallelism import ParallelismConfig
+from plugtrain.config.parallelism import PIPELINE_SCHEDULES, V_SCHEDULES, ParallelismConfig
 from plugtrain.config.reading import build_section, coerce, field_docs, section_doc
 from plugtrain.config.training import LRSchedulerConfig, OptimizerConfig, TrainingConfig
 
@@ -50,7 +50,9 @@ __all__ = [
     "CORE_SECTIONS",
     "DATA_FORMATS",
     "FIXED_ON_RESUME",
+    "PIPELINE_SCHEDULES",
     "SHIPPED_CONFIGS",
+    "V_SCHEDULES",
     "CheckpointConfig",
     "CommandLine",
     "DataConfig",

@@ -73,6 +73,16 @@ class MicroBatch(NamedTuple):
             )
         )
 
+    @classmethod
+    def concatenate(cls, batch: Sequence[MicroBatch]) -> MicroBatch:
+        """``batch``'s microbatches as one, their rows one after another (a pipeline schedule
+        splits them back)."""
+        if len(batch) == 1:
+            return batch[0]
+        return cls(
+            *(None if parts[0] is None else torch.cat(parts) for parts in zip(*batch, strict=True))
+        )
+
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """The keyword arguments of ``Transformer.forward`` this microbatch carries (none in a
         run without document masking or per-document positions)."""

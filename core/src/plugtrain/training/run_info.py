@@ -3,10 +3,10 @@
 The modes, also recorded in ``run.json`` (``setup``), are those no loss line shows: the
 attention (causal, or masked to each document of a packed row, and the kernel that computes
 it), the RoPE positions (running on across documents, or restarting at each), the parallel
-layout (``dp_replicate x dp_shard x tp``), the loss mask (every token, or the assistant's only)
-and the chat template (where it was read, and its sha256, :attr:`ChatTemplate.sha256`).
-Document masking on data whose documents are longer than a row changes nothing; the start-up
-says so from the first batch, which the run draws anyway.
+layout (``dp_replicate x dp_shard x tp``, and a pipeline's schedule), the loss mask (every
+token, or the assistant's only) and the chat template (where it was read, and its sha256,
+:attr:`ChatTemplate.sha256`). Document masking on data whose documents are longer than a row
+changes nothing; the start-up says so from the first batch, which the run draws anyway.
 
 The summary says where the run ended (step, last and best validation loss), where its
 checkpoint and metrics are, and the commands that use them, ready to paste. Rank 0 says it all.
@@ -46,7 +46,7 @@ def run_setup(
         kernel = "sdpa"
     else:  # see model/attention.py: flex attention has no backward on the CPU
         kernel = "flex attention" if dims.device.type == "cuda" else "sdpa, boolean mask"
-    return {
+    setup = {
         "attention": config.model.attention,
         "attention_kernel": kernel,
         "positions": "per document" if config.data.reset_positions is True else "continuous",
@@ -54,6 +54,14 @@ def run_setup(
         "loss_mask": "assistant" if loss_mask else "none",
         "chat_template": None if template is None else template.record(),
     }
+    if dims.pp_enabled:
+        setup["pipeline"] = {
+            "pp": dims.pp,
+            "schedule": config.parallelism.pp_schedule,
+            "stages_per_rank": config.parallelism.stages_per_rank,
+            "microbatches": config.training.grad_accum_steps,
+        }
+    return setup
 
 
 def setup_lines(setup: dict[str, Any]) -> list[str]:
@@ -66,7 +74,13 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
         positions = "RoPE positions restart at each document"
     else:
         positions = "RoPE positions run on across documents"
-    layout = setup["layout"]
+    layout, pipeline = setup["layout"], ""
+    if "pipeline" in setup:  # the stages' ranks are outside the layout's
+        pp = setup["pipeline"]
+        pipeline = (
+            f" in each of {pp['pp']} pipeline ranks ({pp['schedule']}, "
+            f"{pp['stages_per_rank']} stage(s) per rank, {pp['microbatches']} microbatches)"
+        )
     masked = setup["loss_mask"] == "assistant"
     loss = "the assistant's tokens only (data.chat_loss)" if masked else "every token"
     template = setup["chat_template"]
@@ -75,7 +89,7 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
     )
     return [
         f"attention: {attention}; {positions}",
-        f"layout: {' x '.join(str(layout[n]) for n in LAYOUT)} ({' x '.join(LAYOUT)})",
+        f"layout: {' x '.join(str(layout[n]) for n in LAYOUT)} ({' x '.join(LAYOUT)}){pipeline}",
         f"loss on {loss}; chat template: {named}",
     ]
 

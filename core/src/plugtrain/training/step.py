@@ -2,10 +2,11 @@
 
 The trainer's loop (schedule, optimizer, checkpoints, metrics, stop) hands each step's
 microbatches to :meth:`StepRunner.forward_backward`, which counts the step's targets (the
-loss's normaliser, ``training.loss``) and dispatches to a *body*. Today's one body runs the
-microbatches one after another, accumulating their gradients; a pipeline schedule, which
-replaces that loop, would be a sibling body chosen in the constructor, not a branch in the
-loop (torchtitan's ``forward_backward_step``, OLMo-core's train modules).
+loss's normaliser, ``training.loss``) and dispatches to a *body*, chosen in the constructor:
+the microbatches one after another, accumulating their gradients (:meth:`StepRunner.accumulate`),
+or under pipeline parallelism a schedule through this rank's stages
+(``training.pipeline.Pipeline``), as torchtitan's ``forward_backward_step`` and OLMo-core's
+train modules choose.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import torch
 from plugtrain.data import MicroBatch
 from plugtrain.errors import DataError, PluginError
 from plugtrain.host import PluginHost
+from plugtrain.model import model_spec
 from plugtrain.model.moe.balance import Balance
 from plugtrain.observability import StepTimer
 from plugtrain.plugin import SetupContext, StepContext, data_parallel_group
-from plugtrain.training.loss import PluginLoss, RunLoss
+from plugtrain.training.loss import LossFn, PluginLoss, RunLoss
 from plugtrain.training.loss_terms import LossTerms
+from plugtrain.training.pipeline import Pipeline, pipeline_placement
 
 StepBody = Callable[[StepContext, Sequence[MicroBatch]], torch.Tensor]
 """A way to run a step's microbatches through the model: the step's loss on this rank."""
@@ -59,8 +62,16 @@ class StepRunner:
         """The loss terms, the plugins' and the core's own; None if none is on."""
         self.loss: RunLoss = plugin_loss(host, ctx, self.loss_terms) or loss
         """The training loss: the one plugin's that answers ``build_loss``, else the run's."""
-        self.body: StepBody = self.accumulate
-        """The body :meth:`forward_backward` runs: gradient accumulation over microbatches."""
+        self.pipeline: Pipeline | None = None
+        """This rank's stages and their schedule, under pipeline parallelism; else None."""
+        spec = model_spec(ctx.config.model.family)
+        placement = pipeline_placement(ctx.config, dims, spec)
+        if placement is not None:
+            args = ctx.config, dims, self.loss, self.loss_terms, host, ctx.param_dtype
+            self.pipeline = Pipeline(model, placement, *args)
+        self.body: StepBody = self.accumulate if self.pipeline is None else self.pipeline
+        """The body :meth:`forward_backward` runs: gradient accumulation over microbatches, or
+        the pipeline's schedule."""
 
     def forward_backward(self, ctx: StepContext, batch: Sequence[MicroBatch]) -> torch.Tensor:
         """Forward and backward over ``batch``, the step's microbatches, by :attr:`body`;
@@ -73,6 +84,14 @@ class StepRunner:
         if self.balance is not None:
             self.balance.after_backward()
         return loss
+
+    def evaluate(self, microbatch: MicroBatch, fn: LossFn, masked: bool) -> torch.Tensor:
+        """Validation's loss ``fn`` of ``microbatch`` (for ``masked`` data its sum over the
+        counted targets, else the mean), forward only, as training computes it: through the
+        pipeline, if any."""
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(microbatch, fn, masked)
+        return self.loss.forward(self.model, microbatch, fn, masked=masked)[1]
 
     @property
     def states(self) -> dict[str, Balance]:

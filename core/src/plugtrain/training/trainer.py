@@ -54,6 +54,7 @@ from plugtrain.training.conversion import fire_convert_model, trainable_named_pa
 from plugtrain.training.dump_folder import lock_dump_folder
 from plugtrain.training.loss import RunLoss
 from plugtrain.training.optim import LRSchedule, build_optimizer, plugin_optimizer
+from plugtrain.training.pipeline import pipeline_placement
 from plugtrain.training.requests import RunRequests
 from plugtrain.training.run_data import open_training_data, run_datasets
 from plugtrain.training.run_info import RunInfo
@@ -166,6 +167,7 @@ class Trainer:
             init_weights=False,
             tp_mesh=self.parallel_dims.get_mesh("tp") if self.parallel_dims.tp_enabled else None,
             ep_meshes=self.parallel_dims.expert_meshes(),
+            pipeline=pipeline_placement(self.config, self.parallel_dims, self.model_spec),
         )
         """Builds a model laid out like the run's, without the model hooks, its weights empty."""
         init = self.initial_load is None
@@ -187,8 +189,7 @@ class Trainer:
             self.tracer = HookTracer.install(self.host, config.job.records_folder, dims.rank)
 
     def _build_checkpointing(self) -> None:
-        """The stop signals, the checkpoints and the run requests; resumes from the latest
-        checkpoint, if any."""
+        """The stop signals, checkpoints and run requests; resumes the latest checkpoint, if any."""
         config = self.config
         # SIGTERM only with checkpoints: without, stopping saves nothing (see stop.py).
         self.stop = StopSignals(self.parallel_dims.world_size, sigterm=config.checkpoint.enable)
@@ -299,7 +300,7 @@ class Trainer:
         self.validation: Validation | None = None
         if self.val_data is not None:
             args = self.model, self.val_data, self.runner.loss, self.tokenizer, self.host, dims
-            self.validation = Validation(self.config, *args)
+            self.validation = Validation(self.config, *args, self.runner.evaluate)
         if self.param_dtype == torch.float16 and ctx.loss_scaler is None and dims.is_main:
             warnings.warn(
                 "training.mixed_precision_param is float16 but no enabled plugin scales the "
@@ -427,8 +428,7 @@ class Trainer:
         self.info.finish(self.step, self.checkpointer, self.metrics.path)
 
     def close(self) -> None:
-        """End the run: finish a save in flight (collective), then as :meth:`abort`. The
-        process group is left to the launcher."""
+        """End the run: finish a save in flight (collective), then :meth:`abort` (no teardown)."""
         try:
             self.stop.close()
             self.checkpointer.close()

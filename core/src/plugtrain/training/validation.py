@@ -3,14 +3,14 @@
 :class:`Validation` runs the passes that ``validation.interval`` asks for: the model's own
 weights, then each weight set a plugin offers (``validation_weights``), each between
 ``pre_validation`` and ``post_validation``. Its forward is the training one (the run's
-:class:`~plugtrain.training.loss.RunLoss`: masking, positions, chunks, tensor parallelism), so
-the loss of the same text is the same.
+:class:`~plugtrain.training.loss.RunLoss`: masking, positions, chunks, tensor parallelism, and
+the pipeline's schedule: ``StepRunner.evaluate``), so the loss of the same text is the same.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -21,12 +21,16 @@ from plugtrain.host import PluginHost
 from plugtrain.model import reshard
 from plugtrain.observability import to_number
 from plugtrain.plugin import ValidationContext
-from plugtrain.training.loss import PluginLoss, RunLoss
+from plugtrain.training.loss import LossFn, PluginLoss, RunLoss
+
+Forward = Callable[[MicroBatch, LossFn, bool], torch.Tensor]
+"""Validation's forward: the loss function's value on a microbatch, of masked data or not
+(``training.step.StepRunner.evaluate``)."""
 
 
 class Validation:
-    """The validation passes of a run over ``data``, with its ``loss``, on this rank of
-    ``dims``."""
+    """The validation passes of a run over ``data``, with its ``loss`` computed by ``forward``,
+    on this rank of ``dims``."""
 
     def __init__(
         self,
@@ -37,9 +41,10 @@ class Validation:
         tokenizer: Tokenizer,
         host: PluginHost,
         dims: ParallelDims,
+        forward: Forward,
     ) -> None:
         self.config, self.model, self.data, self.loss = config, model, data, loss
-        self.host, self.dims = host, dims
+        self.host, self.dims, self.forward = host, dims, forward
         self.token_bytes = torch.tensor(tokenizer.token_byte_lengths(), device=dims.device)
         """The UTF-8 bytes each token id stands for, for ``validation_bpb``."""
         self.answered = self.plugin_loss if isinstance(loss, PluginLoss) else None
@@ -120,7 +125,7 @@ class Validation:
             microbatch = microbatch.to(device)
             targets = microbatch.targets
             with self.loss.parallel():
-                loss = self.loss.forward(self.model, microbatch, loss_fn, masked=masked)[1]
+                loss = self.forward(microbatch, loss_fn, masked)
             if masked:  # the loss over the counted tokens, as in training
                 counted = targets != IGNORE_INDEX
                 total[0] += loss
