@@ -8,6 +8,7 @@ hooks themselves, with when each fires and what it may change, are declared and 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -91,6 +92,8 @@ __all__ = [
     "local_tensor",
     "read_task",
     "reduce_over_replicas",
+    "reduce_over_stages",
+    "refuse_pipeline_parallel",
     "refuse_tensor_parallel",
     "score",
     "total_norm",
@@ -675,7 +678,41 @@ def refuse_tensor_parallel(dims: ParallelDims, name: str) -> None:
         )
 
 
-def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def refuse_pipeline_parallel(dims: ParallelDims, name: str) -> None:
+    """Refuse, in one line, to run plugin ``name`` under pipeline parallelism (``dims.pp >
+    1``): for a plugin that runs the whole model's forward itself (decoding, scoring), which a
+    pipeline stage does not hold. Call it in ``setup``, so the run stops before step 1."""
+    pp = dims.pp
+    if pp > 1:
+        raise ConfigError(
+            f"plugin '{name}' runs the whole model, but under pipeline parallelism "
+            f"(parallelism.pp = {pp}) each rank holds only its stages: remove '{name}' from "
+            "plugins.enabled, or set parallelism.pp = 1"
+        )
+
+
+def reduce_over_stages(
+    value: torch.Tensor, dims: ParallelDims, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX
+) -> torch.Tensor:
+    """All-reduce ``value`` in place over the pipeline stages of ``dims`` (its ``"pp"``
+    mesh dimension), with ``op`` (default max: a flag every stage acts on together); return
+    it. A no-op without pipeline parallelism (``dims.pp`` 1): no collective.
+
+    Under pipeline parallelism each rank holds its stages' parameters and gradients only, and
+    the loss exists on the last stage only: a value every rank must share (a skip flag, the
+    step's loss) is made the same on every stage with this. A max may drop a nan (NCCL's, and
+    gloo's when another rank's value comes first): reduce a flag with it, a value that may be
+    nan with ``dist.ReduceOp.SUM`` (the others adding 0).
+    """
+    if dims.pp_enabled:
+        assert dims.root is not None, "a pipeline runs on a mesh"
+        dist.all_reduce(value, op=op, group=dims.root.get_group("pp"))
+    return value
+
+
+def total_norm(
+    tensors: list[torch.Tensor], norm_type: float = 2.0, *, dims: ParallelDims | None = None
+) -> torch.Tensor:
     """The ``norm_type`` norm of all ``tensors`` together, over every rank and FSDP2 shard.
 
     A 0-d fp32 tensor on the device, the same on every rank, as ``clip_grad_norm_`` computes it
@@ -684,7 +721,28 @@ def total_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> torch.Ten
     (:func:`reduce_over_replicas`: a no-op when their gradients are equal, as they are). Under
     expert parallelism the experts' norm (over their mesh) and the rest's are combined, each
     counted once (Automodel #3816: a norm per EP group; SpecForge #882: replicas summed).
+
+    ``dims`` (the job's :class:`ParallelDims`) is needed under pipeline parallelism, where
+    each rank's ``tensors`` are its stages' share only: the stages' norms are combined into the
+    whole model's (one all-reduce over ``"pp"``; none without a pipeline), a rank with no
+    tensors at all (a frozen stage) joining with 0. Pass it always: the same call is then
+    right for every layout.
     """
+    norm = _norm_over_meshes(tensors, norm_type)
+    if dims is None or not dims.pp_enabled:
+        return norm
+    norm = norm.to(dims.device, torch.float32)
+    if norm_type == math.inf:
+        # Max, with a nan carried apart: a max reduction may drop it.
+        both = torch.stack([norm.nan_to_num(nan=0.0, posinf=math.inf), norm.isnan().float()])
+        reduce_over_stages(both, dims)
+        return torch.where(both[1] > 0, math.nan, both[0])
+    # A sum of the stages' norm ** p carries inf and nan as they are.
+    return reduce_over_stages(norm.pow(norm_type), dims, dist.ReduceOp.SUM).pow(1 / norm_type)
+
+
+def _norm_over_meshes(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """:func:`total_norm` of ``tensors`` over their own meshes (this pipeline stage's)."""
     if not tensors:
         return full_tensor(torch.nn.utils.get_total_norm(tensors, norm_type, foreach=True))
     norms = []

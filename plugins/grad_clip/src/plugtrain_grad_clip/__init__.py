@@ -1,7 +1,9 @@
 """plugtrain plugin: clip the gradients by their global norm, once per optimizer step.
 
 The total norm is the true norm of the whole model's gradient, over every parameter, rank and
-FSDP2 shard, as ``torch.nn.utils.clip_grad_norm_`` would compute it on the unsharded model.
+FSDP2 shard, as ``torch.nn.utils.clip_grad_norm_`` would compute it on the unsharded model;
+under pipeline parallelism over every stage too, each rank clipping its stages' gradients by
+the whole model's norm.
 Clipping is a gradient transform, so it runs in the contract's modify phase (``post_backward``):
 a loss scaler has unscaled the gradients before it, and observers have seen them unclipped.
 Nothing is read from the device: the norm stays a tensor, and a non-finite norm vetoes the
@@ -17,6 +19,7 @@ from typing import Literal
 import torch
 
 from plugtrain.plugin import (
+    ParallelDims,
     SetupContext,
     StepContext,
     check_field,
@@ -65,6 +68,8 @@ class GradClip:
         """The last step's pre-clip total norm: a 0-d fp32 tensor, the same on every rank."""
         self.first_nonfinite_step = torch.zeros((), dtype=torch.int64)
         """The first step whose norm was not finite (0: none yet), for ``on_nonfinite = raise``."""
+        self.dims = ParallelDims()
+        """The job's parallel dimensions, set in ``setup``: the norm is the pipeline's."""
 
     @hookimpl
     def config_section(self) -> type:
@@ -74,6 +79,7 @@ class GradClip:
     def setup(self, ctx: SetupContext) -> None:
         self.name = ctx.name_of(self)
         self.config = ctx.plugin_config(self)
+        self.dims = ctx.parallel_dims
         ctx.show_on_console(self, "grad_norm")
         self.first_nonfinite_step = self.first_nonfinite_step.to(ctx.device)
 
@@ -84,7 +90,7 @@ class GradClip:
         # NOTE: FSDP2 keeps the sharded parameters, hence their gradients, in fp32 whatever
         # training.mixed_precision_param says (it casts only the unsharded copies used in
         # forward and backward), so the norm is computed in fp32.
-        norm = total_norm(grads, self.config.norm_type)
+        norm = total_norm(grads, self.config.norm_type, dims=self.dims)
         # One foreach kernel per mesh: under expert parallelism the experts have their own.
         for group in grouped_by_mesh(params):
             torch.nn.utils.clip_grads_with_norm_(group, self.config.max_norm, norm, foreach=True)

@@ -18,6 +18,12 @@ hook contract's gradient phases, and never reads the device:
   ``found_inf``, as ``GradScaler.step`` gives it to a fused optimizer;
 * ``post_step``: ``torch._amp_update_scale_`` backs the scale off after an overflow and grows
   it after ``growth_interval`` clean steps.
+
+Under pipeline parallelism the loss exists on the last stage only, so ``pre_backward`` scales it
+there; the gradients the schedule sends back to the earlier stages carry the scale, so every
+stage's gradients are scaled and every rank unscales by the same scale. The inf flag is agreed
+over the stages (one more all-reduce, under a pipeline only): an overflow on one stage skips
+the step on every rank, and the scale, updated from the same flag, stays the same everywhere.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ import torch
 
 from plugtrain.plugin import (
     ConfigError,
+    ParallelDims,
     SetupContext,
     StepContext,
     check_field,
     grouped_by_mesh,
     hookimpl,
     reduce_over_replicas,
+    reduce_over_stages,
 )
 
 __all__ = ["GradScaler", "GradScalerConfig"]
@@ -97,6 +105,8 @@ class GradScaler:
         """1.0 if this step's gradients held inf/nan (the same on every rank), else 0.0."""
         self.skipped_steps = torch.zeros((), dtype=torch.int64)
         """Steps skipped because their gradients held inf/nan, over the whole run."""
+        self.dims = ParallelDims()
+        """The job's parallel dimensions, set in ``setup``: the flag is agreed over ``pp``."""
 
     @hookimpl
     def config_section(self) -> type:
@@ -119,7 +129,7 @@ class GradScaler:
         if cfg.enabled is False:
             ctx.deactivate(self, f"{name}: enabled = false, float16 runs without loss scaling")
             return
-        device = ctx.device
+        device, self.dims = ctx.device, ctx.parallel_dims
         self.scale = torch.full((), cfg.init_scale, dtype=torch.float32, device=device)
         self.growth_tracker = self.growth_tracker.to(device)
         self.found_inf = self.found_inf.to(device)
@@ -144,12 +154,16 @@ class GradScaler:
         # every replica even if one's gradients went bad after FSDP2's all-reduce.
         # Under expert parallelism the experts' gradients are on a mesh of their own: one
         # kernel (and one all-reduce, over every rank) per mesh, into the same flag.
+        # Under pipeline parallelism those meshes are this stage's: reduce_over_stages agrees
+        # the flag over the stages, a stage without gradients (all frozen) joining with 0.
         inv_scale = self._active().double().reciprocal().float()
         self.found_inf.zero_()
         grads = ctx.gradients()
         for group in grouped_by_mesh(grads):
             torch._amp_foreach_non_finite_check_and_unscale_(group, self.found_inf, inv_scale)
-        reduce_over_replicas(self.found_inf, grads[0])
+        if grads:
+            reduce_over_replicas(self.found_inf, grads[0])
+        reduce_over_stages(self.found_inf, self.dims)
 
     @hookimpl
     def pre_step(self) -> torch.Tensor:

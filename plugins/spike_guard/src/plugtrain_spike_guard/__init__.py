@@ -14,6 +14,10 @@ before the first bad step and skip the batches from there through the bad one, p
 ``skip_margin``. A rewind therefore comes at most ``metrics.log_freq`` (or ``check_every``) steps
 after the step that triggers it, on every rank at the same step. After ``max_rewinds`` rewinds
 the run ends with a one-line error: the data is not the problem.
+
+Under pipeline parallelism the loss reaches ``pre_backward`` on the last stage only: the step's
+loss is summed over the stages (the others hold 0) and the norm is the whole model's, so every
+rank tests the same values and vetoes the same steps.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from plugtrain.plugin import (
+    ParallelDims,
     PluginError,
     RunControl,
     SetupContext,
@@ -36,6 +41,7 @@ from plugtrain.plugin import (
     check_field,
     data_parallel_group,
     hookimpl,
+    reduce_over_stages,
     total_norm,
 )
 
@@ -123,6 +129,7 @@ class SpikeGuard:
         self._logged_rewinds = 0
         self._group: Any = None
         self._world_size = 1
+        self._dims = ParallelDims()
         self._allocate(torch.device("cpu"), capacity=1)
 
     def _allocate(self, device: torch.device, capacity: int) -> None:
@@ -166,6 +173,7 @@ class SpikeGuard:
         log_freq = ctx.config.metrics.log_freq
         self._allocate(ctx.device, min(log_freq, cfg.check_every or log_freq))
         # The ranks that train on different data: the world without tensor parallelism.
+        self._dims = ctx.parallel_dims
         self._world_size = ctx.parallel_dims.dp_size
         if self._world_size > 1:
             self._group = data_parallel_group(ctx.parallel_dims)  # each rank's loss is its own
@@ -200,7 +208,9 @@ class SpikeGuard:
         if self._world_size > 1:
             dist.all_reduce(loss, group=self._group)
             loss /= self._world_size
-        values = torch.stack([loss.float(), total_norm(ctx.gradients())])
+        if self._dims.pp_enabled:  # a copy: the stages before the last keep their 0
+            loss = reduce_over_stages(loss.clone(), self._dims, dist.ReduceOp.SUM)
+        values = torch.stack([loss.float(), total_norm(ctx.gradients(), dims=self._dims)])
         cfg = self.config
         n = self.accepted.clamp(max=cfg.window)
         filled = (torch.arange(cfg.window, device=n.device) < n).unsqueeze(1)
