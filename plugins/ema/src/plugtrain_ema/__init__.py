@@ -17,6 +17,8 @@ run continues it exactly. The average is saved in every
 checkpoint through the ``state_dict`` hook (DCP reshards it to another world size), validated
 on (swapped into the model's shards for an extra pass, logged as ``<name>/validation_loss``) and
 exported as a model-only checkpoint, ``step-<N>/<name>/``, beside each training checkpoint.
+Under pipeline parallelism each rank averages its stages' parameters, under the whole model's
+names: the saved and exported averages hold every stage's, as one process's would.
 """
 
 from __future__ import annotations

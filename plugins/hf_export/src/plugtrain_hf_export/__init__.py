@@ -6,8 +6,10 @@ template a chat run trained with), loadable by
 ``transformers.LlamaForCausalLM`` and ``AutoTokenizer`` with no other file. Rank 0 reads the
 committed checkpoint one tensor at a time, so the export holds one tensor in memory, needs no
 collective, and exports what was saved at step N even when an asynchronous save lets training
-move on before ``checkpoint_saved`` fires. A ``job.dump_folder`` on an object store (a URL) is
-refused: ``plugtrain export-hf`` reads its checkpoints there into a local folder.
+move on before ``checkpoint_saved`` fires. It works under pipeline parallelism as well: the
+checkpoint holds every stage's weights under the whole model's names. A ``job.dump_folder`` on
+an object store (a URL) is refused: ``plugtrain export-hf`` reads its checkpoints there into a
+local folder.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ orthogonalised on its own), trained with Muon at ``muon.lr``; the embedding, the
 projection and the norms go to fused AdamW with the core's ``[optimizer]`` settings (and its
 ``no_decay`` parts, without weight decay). The LR schedule scales both by the same factor.
 Under FSDP2, HSDP, tensor and expert parallelism each matrix's Newton-Schulz iteration runs on
-the whole matrix (see :mod:`plugtrain_muon.optimizer`).
+the whole matrix (see :mod:`plugtrain_muon.optimizer`). Under pipeline parallelism each rank
+builds it over its stages' parameters, whose meshes leave ``pp`` out: every matrix is gathered
+whole within its stage.
 """
 
 from __future__ import annotations
