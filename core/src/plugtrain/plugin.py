@@ -530,7 +530,9 @@ class StepContext:
         """The ``.grad`` of every parameter that has one, in :attr:`params` order.
 
         Under FSDP2 these are DTensor shards; reduce over them with DTensor ops (or
-        :func:`local_tensor` plus an explicit collective) to get global quantities.
+        :func:`local_tensor` plus an explicit collective) to get global quantities. Under
+        pipeline parallelism they are this rank's stages' only (none on a frozen stage): pass
+        the job's dims to :func:`total_norm`, agree a flag with :func:`reduce_over_stages`.
         """
         return [p.grad for p in self.params if p.grad is not None]
 
