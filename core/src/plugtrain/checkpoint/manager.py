@@ -483,6 +483,8 @@ class CheckpointManager:
         except (OSError, ValueError) as e:
             raise damaged(path, f"cannot read its {CONFIG} ({one_line(e)})") from e
         wanted = flat_keys(storable)
+        if self.dims.pp_enabled:  # this rank's stages: checked against every stage's keys
+            wanted = _over_stages(wanted, self.dims)
         # A plugin's setting first: one that shapes its parameters (lora.rank) is named, not
         # taken for another model.
         check_settings(path, saved_config, self.run_config, self.plugins_fixed)
@@ -581,3 +583,16 @@ class CheckpointManager:
             stateful.load_state_dict(state[key])
         if "rng" in state:
             set_rng_state(state["rng"][f"rank{self.dims.rank}"], self.dims.device)
+
+
+def _over_stages(wanted: Mapping[str, torch.Tensor], dims: ParallelDims) -> dict[str, Any]:
+    """``wanted`` (a pipeline rank's state by flattened key) with the other stages' keys of
+    the same ``pp`` line, as meta tensors of their shapes: the keys a 1-process run has."""
+    shapes = {key: tuple(value.shape) for key, value in wanted.items()}
+    lines: list[dict[str, tuple[int, ...]] | None] = [None] * dims.pp
+    dist.all_gather_object(lines, shapes, group=dims.get_mesh("pp").get_group())
+    every = {key: shape for line in lines if line is not None for key, shape in line.items()}
+    return {
+        key: wanted[key] if key in wanted else torch.empty(shape, device="meta")
+        for key, shape in every.items()
+    }
