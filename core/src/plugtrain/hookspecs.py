@@ -95,8 +95,8 @@ time, with that plugin's own state.
 
 The job's layout: ``ModelContext``, ``OptimizerContext`` and ``SetupContext`` carry
 ``ctx.parallel_dims`` (:class:`plugtrain.plugin.ParallelDims`), built once per run from
-``[parallelism]``: each dimension's degree (``dp_replicate``, ``dp_shard``, ``tp``; ``pp``,
-``ep``, ``cp`` are 1 for now) and ``*_enabled``, this rank's index in each (``rank_in("tp")``),
+``[parallelism]``: each dimension's degree (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``,
+``ep``; ``cp`` is 1 for now) and ``*_enabled``, this rank's index in each (``rank_in("tp")``),
 the world's ``rank``, ``world_size`` and ``is_main``, the ranks that train on different data
 (``dp_rank`` of ``dp_size``) and the meshes by name (``get_mesh("dp")``, ``get_mesh("tp")``).
 A plugin reads the layout there, never from ``config.parallelism``.
@@ -113,6 +113,32 @@ holds, and ``ctx.mask`` and ``ctx.count`` are the same on every rank of a ``tp``
 ranks of one ``tp`` group read the same batches and compute the same loss: reduce a value of
 the data over the ``dp_size`` ranks of :func:`plugtrain.plugin.data_parallel_group`, not over
 the world.
+
+What a hook sees under pipeline parallelism (``ctx.parallel_dims.pp_enabled``): the model hooks
+see the whole model on the meta device, before it is cut into stages; from ``build_optimizer``
+on, each rank holds only its stages' parameters (the model's ``ctx.model``, ``ctx.params``,
+``ctx.named_parameters`` and ``ctx.gradients()`` are that share, possibly without any trainable
+one, under the whole model's names), sharded over the data-parallel mesh (``pp`` is in no
+parameter's mesh). The step's microbatches run through the stages by the schedule
+(``parallelism.pp_schedule``), not one after another, so:
+
+* ``loss_terms`` and ``pre_backward`` fire on the ranks of the last stage only, once per
+  microbatch, in order (``ctx.microbatch`` 0 .. n-1), before the schedule runs that
+  microbatch's backward from ``ctx.loss``; a loss scaler's factor reaches the other stages
+  through the gradients they receive. A value a plugin takes from them (the loss) is the last
+  stage's: :func:`plugtrain.plugin.reduce_over_stages` gives it to every rank.
+* The gradient phases, ``post_step`` and ``step_metrics`` fire once per step on every rank,
+  after every stage's backward. A value of the gradients is reduced over the stages as well as
+  the shards: :func:`plugtrain.plugin.total_norm` given ``dims`` (the layout ``setup`` saw)
+  gives the whole model's norm on every rank, and a found-inf flag agreed with
+  ``reduce_over_stages`` makes every rank skip together. The loss the trainer logs is the last
+  stage's, summed over ``pp``.
+* ``build_loss`` answers (a loss that runs the model itself) are refused, as are plugins that
+  run the whole model's forward (``samples``, ``downstream_eval``: refused at ``setup`` with
+  :func:`plugtrain.plugin.refuse_pipeline_parallel`). Validation runs the stages' forward in
+  order, between ``pre_validation`` and ``post_validation`` on every rank.
+* The zero-bubble schedules take each block's weight gradients apart from its input gradients;
+  no block is resharded after its forward under a pipeline, as they need.
 """
 
 from __future__ import annotations
