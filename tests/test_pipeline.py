@@ -1,8 +1,9 @@
 """Pipeline parallelism in training runs: PP 2 with 1F1B, Interleaved1F1B and ZBVZeroBubble on
-2 processes and PP 2 x FSDP 2 on 4 against one process over 8 steps (fp32, grad_clip on, 4
-microbatches), on text and on chat data (document masking, the assistant's tokens only); no
-trainable parameter left without a gradient; a PP 2 checkpoint's keys, and its resume on one
-process, at PP 2 x FSDP 2 and at TP 2; fp16 with an inf on one stage only; the refusals.
+2 processes, PP 2 x FSDP 2 and PP 2 x TP 2 on 4, against one process over 8 steps (fp32,
+grad_clip on, 4 microbatches), on text and on chat data (document masking, the assistant's
+tokens only); no trainable parameter left without a gradient; a PP 2 checkpoint's keys, and its
+resume on one process, at PP 2 x FSDP 2 and at TP 2; fp16 with an inf on one stage only; the
+refusals.
 
 The runs are shared through a module-scoped fixture: one launch of 2 processes, one of 4.
 """
@@ -98,12 +99,14 @@ def two_ranks(base: str) -> dict:
 
 
 def four_ranks(base: str) -> dict:
-    root, pp = Path(base), ("--parallelism.pp", "2")
+    root, pp, tp = Path(base), ("--parallelism.pp", "2"), ("--parallelism.tp", "2")
     return {
         "pp2xfsdp2": train(root / "pp2xfsdp2", *pp),
         "chat_pp2xfsdp2": train(root / "chat_pp2xfsdp2", *pp, *CHAT),
+        "pp2xtp2": train(root / "pp2xtp2", *pp, *tp),
+        "chat_pp2xtp2": train(root / "chat_pp2xtp2", *pp, *tp, *CHAT),
         "1F1B_to_pp2xfsdp2": resume(root / "1F1B", root / "1F1B_to_pp2xfsdp2", *pp),
-        "1F1B_to_tp2": resume(root / "1F1B", root / "1F1B_to_tp2", "--parallelism.tp", "2"),
+        "1F1B_to_tp2": resume(root / "1F1B", root / "1F1B_to_tp2", *tp),
     }
 
 
@@ -147,7 +150,7 @@ def assert_as_one_process(runs: dict, layout: str, one: str, steps: range) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["", "chat_"])
-@pytest.mark.parametrize("layout", [*SCHEDULES, "pp2xfsdp2"])
+@pytest.mark.parametrize("layout", [*SCHEDULES, "pp2xfsdp2", "pp2xtp2"])
 def test_pipelines_train_as_one_process(runs, layout, data):
     assert_as_one_process(runs, data + layout, data + "one", range(1, STEPS + 1))
     # Each rank trains only its stages' parameters, and together all of them.

@@ -73,29 +73,32 @@ def pipeline_placement(
 class _StageShapes:
     """What each stage takes and returns for one microbatch of ``rows`` sequences of
     ``seq_len`` tokens, as meta tensors: the schedule then allocates its buffers from them
-    instead of running a microbatch through every stage (and the loss) to find out."""
+    instead of running a microbatch through every stage (and the loss) to find out. Under
+    tensor parallelism (``tp`` ranks) the hidden states between stages are each rank's
+    positions (sequence parallel), and the logits its share of the vocabulary."""
 
-    def __init__(self, args: Any, rows: int, seq_len: int, dtype: torch.dtype) -> None:
-        self.args, self.rows, self.seq_len, self.dtype = args, rows, seq_len, dtype
+    def __init__(self, args: Any, rows: int, seq_len: int, dtype: torch.dtype, tp: int) -> None:
+        self.args, self.rows, self.seq_len, self.dtype, self.tp = args, rows, seq_len, dtype, tp
 
-    def _tensor(self, width: int | None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        shape = (self.rows, self.seq_len) if width is None else (self.rows, self.seq_len, width)
-        tensor = torch.empty(shape, dtype=dtype or self.dtype, device="meta")
-        # NOTE: a stage's floating-point input must require grad in its metadata, else the
-        # schedule receives it without, and sends the stage before no gradient: silently.
-        return tensor if dtype is not None else tensor.requires_grad_()
-
-    def empty(self, rows: int, device: torch.device) -> torch.Tensor:
-        """A buffer for the hidden states of ``rows`` sequences, a stage's input."""
-        return torch.empty((rows, self.seq_len, self.args.dim), dtype=self.dtype, device=device)
+    def hidden(self, rows: int, device: torch.device | str = "meta") -> torch.Tensor:
+        """Hidden states of ``rows`` sequences, a stage's input: as a stage before sends them."""
+        shape = (rows, self.seq_len // self.tp, self.args.dim)
+        return torch.empty(shape, dtype=self.dtype, device=device)
 
     def inputs(self, index: int) -> torch.Tensor:
-        """The tokens on the first stage, the hidden states (activation dtype) elsewhere."""
-        return self._tensor(None, torch.long) if index == 0 else self._tensor(self.args.dim)
+        """The tokens on the first stage, the hidden states elsewhere."""
+        if index == 0:
+            return torch.empty((self.rows, self.seq_len), dtype=torch.long, device="meta")
+        # NOTE: a stage's floating-point input must require grad in its metadata, else the
+        # schedule receives it without, and sends the stage before no gradient: silently.
+        return self.hidden(self.rows).requires_grad_()
 
     def outputs(self, index: int, count: int) -> torch.Tensor:
-        """The logits on the last stage, the hidden states elsewhere."""
-        return self._tensor(self.args.vocab_size if index == count - 1 else self.args.dim)
+        """The logits (this rank's vocabulary) on the last stage, the hidden states elsewhere."""
+        if index < count - 1:
+            return self.hidden(self.rows).requires_grad_()
+        shape = (self.rows, self.seq_len, self.args.vocab_size // self.tp)
+        return torch.empty(shape, dtype=self.dtype, device="meta", requires_grad=True)
 
 
 class Pipeline:
@@ -125,7 +128,7 @@ class Pipeline:
         self.v_shape = config.parallelism.pp_schedule in V_SCHEDULES
         self.microbatches = config.training.grad_accum_steps
         rows = config.training.batch_size // (dims.dp_size * self.microbatches)
-        self.shapes = _StageShapes(model.args, rows, config.training.seq_len, param_dtype)
+        self.shapes = _StageShapes(model.args, rows, config.training.seq_len, param_dtype, dims.tp)
         self.modules = dict(zip(indices, pipeline_stages(model), strict=True))
         """This rank's stages by index."""
         stages = [
@@ -169,7 +172,7 @@ class Pipeline:
         loss = torch.zeros((), device=self._sum.device)
         for index, stage in self.modules.items():
             if index > 0 and index - 1 not in self.modules:
-                hidden = self.shapes.empty(microbatch.inputs.shape[0], loss.device)
+                hidden = self.shapes.hidden(microbatch.inputs.shape[0], loss.device)
                 dist.recv(hidden, group=self.group, group_src=self._rank_of(index - 1))
             hidden = stage(hidden, **kwargs)
             if index == self.count - 1:

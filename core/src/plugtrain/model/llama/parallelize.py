@@ -104,6 +104,7 @@ def parallelize(model: Transformer, tp_mesh: DeviceMesh) -> None:
     norm's output instead: its positions are all-gathered, so that the product with the
     vocabulary-split matrix gives logits split over the vocabulary, for ``loss_parallel``."""
     styles = plan(model.args.n_layers)
+    model.sequence_shards = tp_mesh.size()
     if model.output is None:
         del styles["output"]
     parallelize_module(model, tp_mesh, styles)

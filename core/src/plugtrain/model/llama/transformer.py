@@ -318,6 +318,10 @@ class Transformer(nn.Module):
             {str(i): self.block_type(i, args) for i in range(args.n_layers)}
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.sequence_shards = 1
+        """The ranks the hidden states between blocks are split over by position: the tensor
+        parallel degree (sequence parallelism), set by the TP plan; a pipeline stage given
+        hidden states counts the sequence's positions from their share."""
         # Tied: no module at all, so that the model has one parameter where FSDP2, DCP,
         # to_empty and init_weights each see one tensor (a module sharing the Parameter would be
         # untied by to_empty from meta, and saved twice).
@@ -347,6 +351,8 @@ class Transformer(nn.Module):
     ) -> torch.Tensor | T:
         start = 0 if cache is None else cache.length
         seq_len = tokens.shape[1]
+        if self.tok_embeddings is None:  # a later pipeline stage's hidden states, maybe split
+            seq_len *= self.sequence_shards
         if start + seq_len > self.args.max_seq_len:
             raise ValueError(
                 f"sequence length {start + seq_len} exceeds the model's max_seq_len "
