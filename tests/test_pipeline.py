@@ -1,9 +1,9 @@
 """Pipeline parallelism in training runs: PP 2 with 1F1B, Interleaved1F1B and ZBVZeroBubble on
 2 processes, PP 2 x FSDP 2 and PP 2 x TP 2 on 4, against one process over 8 steps (fp32,
 grad_clip on, 4 microbatches), on text and on chat data (document masking, the assistant's
-tokens only); no trainable parameter left without a gradient; a PP 2 checkpoint's keys, and its
-resume on one process, at PP 2 x FSDP 2 and at TP 2; fp16 with an inf on one stage only; the
-refusals.
+tokens only); no trainable parameter left without a gradient; a PP 2 checkpoint's keys, its
+export to Hugging Face, and its resume on one process, at PP 2 x FSDP 2 and at TP 2; fp16 with
+an inf on one stage only; the refusals.
 
 The runs are shared through a module-scoped fixture: one launch of 2 processes, one of 4.
 """
@@ -14,9 +14,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 
+from plugtrain.checkpoint.export import export_checkpoint
 from plugtrain.config import JobConfig, ParallelismConfig
 from plugtrain.distributed import ParallelDims
 from plugtrain.errors import ConfigError
@@ -168,6 +171,15 @@ def test_a_pp2_checkpoint_has_one_process_keys_and_resumes_in_other_layouts(runs
         return {k for k in saved if k.startswith(("model.", "optimizer."))}
 
     assert keys("1F1B") == keys("one")
+    # export-hf reads a PP 2 checkpoint as a 1-process one: the same tensors, within rounding.
+    exported = {}
+    for run in ("1F1B", "one"):
+        export_checkpoint(base / run / f"checkpoints/step-{SAVED}", base / f"hf_{run}")
+        files = sorted((base / f"hf_{run}").glob("*.safetensors"))
+        exported[run] = {k: v for f in files for k, v in load_file(f).items()}
+    assert exported["1F1B"].keys() == exported["one"].keys()
+    for name, tensor in exported["one"].items():
+        torch.testing.assert_close(exported["1F1B"][name], tensor, rtol=0, atol=TOLERANCE)
     for resumed in ("1F1B_to_one", "1F1B_to_pp2xfsdp2", "1F1B_to_tp2"):
         assert min(metrics_by_step(base / resumed)) == SAVED + 1
         # The uninterrupted one-process run's losses and norms, from the PP 2 checkpoint.
