@@ -20,7 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction, summary: str) -> None:
         help=summary,
         description="Parameters, gradients, optimizer state, activations and logits per process "
         "for CONFIG on --gpus processes, with --section.key VALUE overrides as train.py takes "
-        "them. The formulas are in plugtrain/model/llama/memory.py.",
+        "them; under parallelism.pp, the pipeline rank that holds the most, each rank's total "
+        "and the schedule's bubble. The formulas are in plugtrain/model/llama/memory.py and "
+        "plugtrain/training/pipeline_plan.py.",
     )
     parser.add_argument("config", metavar="CONFIG", help="a TOML config")
     parser.add_argument("--gpus", type=int, default=1, help="processes in all (default 1)")

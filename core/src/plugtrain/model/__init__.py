@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     from plugtrain.model.loss import summed_cross_entropy as summed_cross_entropy
     from plugtrain.model.memory import Checkpointing as Checkpointing
     from plugtrain.model.memory import MemoryEstimate as MemoryEstimate
+    from plugtrain.model.memory import PipelineShare as PipelineShare
+    from plugtrain.model.memory import size_text as size_text
     from plugtrain.model.moe.args import MoEArgs as MoEArgs
     from plugtrain.model.moe.spec import MOE as MOE
     from plugtrain.model.moe.transformer import MoETransformer as MoETransformer

@@ -145,8 +145,9 @@ class ModelSpec:
     of ``rows`` sequences, for the roofline (``observability.limits.matmul_seconds``)."""
     memory: Callable[..., MemoryEstimate]
     """The memory formula: ``memory(args, *, world_size, microbatch, seq_len, param_dtype,
-    reduce_dtype, checkpointing, dp_replicate, tp, loss_chunks)``, the bytes a step holds on
-    each process (``plugtrain estimate``, the trainer's start-up line)."""
+    reduce_dtype, checkpointing, dp_replicate, tp, loss_chunks, pipeline)``, the bytes a step
+    holds on each process (``plugtrain estimate``, the trainer's start-up line); ``pipeline``
+    (a ``PipelineShare``, given under pipeline parallelism only): that pipeline rank's."""
     pipeline_split: Callable[[nn.Module, int, Sequence[int]], list[nn.Module]] | None = None
     """``pipeline_split(model, stages, indices)``: stages ``indices`` of ``model`` (built,
     unsharded, on the meta device) cut into ``stages``, one module each (a rank of an

@@ -10,6 +10,8 @@ line.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from plugtrain import sample
@@ -17,16 +19,17 @@ from plugtrain.config import JobConfig
 from plugtrain.data import Tokenizer
 from plugtrain.distributed import parallel_dims
 from plugtrain.errors import ConfigError
-from plugtrain.model import Checkpointing, MemoryEstimate, conversion_of, model_spec
+from plugtrain.model import Checkpointing, MemoryEstimate, conversion_of, model_spec, size_text
 from plugtrain.model.moe.expert_parallel import check_expert_parallel
 from plugtrain.training.conversion import converted_model
+from plugtrain.training.pipeline_plan import bubble_fraction, check_pipeline, pipeline_share
 
 if TYPE_CHECKING:
     from torch import nn
 
     from plugtrain.host import PluginHost
 
-__all__ = ["checkpointing_of", "converted_estimate", "estimate_run"]
+__all__ = ["checkpointing_of", "converted_estimate", "estimate_run", "pipeline_estimate"]
 
 CHECKPOINTING_PLUGIN = "activation_checkpointing"
 """The plugin whose config section says what activation checkpointing a run does."""
@@ -121,9 +124,19 @@ def estimate_run(
     if dims.ep_enabled:
         experts = getattr(args, "num_experts", 0)
         check_expert_parallel(dims.ep, [experts] if experts else [], config.model.family)
+    if dims.pp_enabled:
+        check_pipeline(
+            config.model.family,
+            args.n_layers,
+            config.parallelism.pp_schedule,
+            dims.pp,
+            config.parallelism.stages_per_rank,
+            train.grad_accum_steps,
+        )
     if model is None and host is not None and host.implementers("convert_model"):
         model = converted_model(config, host, args)
-    estimate = spec.memory(
+    formula = functools.partial(
+        spec.memory,
         args,
         world_size=world_size,
         microbatch=train.batch_size // parts,
@@ -135,7 +148,32 @@ def estimate_run(
         tp=dims.tp,
         loss_chunks=config.model.loss_chunks,
     )
+    estimate = pipeline_estimate(config, dims.pp, formula) if dims.pp_enabled else formula()
     if model is not None:
         estimate = converted_estimate(estimate, model)
     setting = f"{config.model.flavor} model, vocab {args.vocab_size}{whose}, {estimate.setting}"
     return dataclasses.replace(estimate, setting=setting)
+
+
+def pipeline_estimate(
+    config: JobConfig, pp: int, formula: Callable[..., MemoryEstimate]
+) -> MemoryEstimate:
+    """The estimate of the pipeline rank that holds the most (``formula``, the family's memory
+    formula with the run's arguments, called with each rank's ``pipeline`` share), followed by
+    the schedule's bubble in theory and every rank's total."""
+    parallelism, microbatches = config.parallelism, config.training.grad_accum_steps
+    schedule, per_rank = parallelism.pp_schedule, parallelism.stages_per_rank
+    ranks = [
+        formula(pipeline=pipeline_share(schedule, pp, per_rank, microbatches, rank))
+        for rank in range(pp)
+    ]
+    largest = max(range(pp), key=lambda rank: ranks[rank].total)
+    bubble = bubble_fraction(schedule, pp, per_rank, microbatches)
+    totals = ", ".join(f"{rank}: {size_text(e.total)}" for rank, e in enumerate(ranks))
+    notes = (
+        f"pipeline: {schedule}, {pp} ranks x {per_rank} stage(s), {microbatches} microbatches: "
+        f"bubble {bubble} = {float(bubble):.1%} of a step in theory "
+        "(plugtrain/training/pipeline_plan.py)",
+        f"total per pipeline rank (the largest above): {totals}",
+    )
+    return dataclasses.replace(ranks[largest], notes=notes)
