@@ -62,7 +62,8 @@ def test_config_names_a_shipped_config_from_any_folder(tmp_path, monkeypatch):
         merged_values(parse_command_line(["--config", "debgu"]))
     assert str(e.value) == (
         "config file 'debgu' not found: pass an existing file to --config, or the name of a "
-        "shipped config (chat_debug, debug, dpo_debug, llama3_70b, llama3_8b, qwen3_30b_a3b)"
+        "shipped config (chat_debug, debug, dpo_debug, llama3_405b, llama3_70b, llama3_8b, "
+        "qwen3_30b_a3b)"
     )
 
 
@@ -257,7 +258,8 @@ def test_help_lists_the_choices_of_fields_with_fixed_choices():
     assert "  --ch.names (list of str; default [])" in lines
     assert "  --training.device (one of 'auto', 'cpu', 'cuda'; default 'auto')" in lines
     flavors = (
-        "'tiny', 'tiny4', 'debug', '1B', '3B', '8B', '70B', 'debug_moe', 'qwen3_30b_a3b', 'hf'"
+        "'tiny', 'tiny4', 'debug', '1B', '3B', '8B', '70B', '405B', 'debug_moe', "
+        "'qwen3_30b_a3b', 'hf'"
     )
     assert f"  --model.flavor (one of {flavors}; default 'debug')" in lines
 

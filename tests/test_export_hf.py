@@ -291,10 +291,10 @@ def test_a_missing_tokenizer_or_flavor_is_named(run, tmp_path, capsys):
     exported, given = (json.loads(f.read_text()) for f in (out / "tokenizer.json", moved))
     del exported["post_processor"], given["post_processor"]  # the export's puts BOS first
     assert exported == given
-    config["model"]["flavor"] = "405B"
+    config["model"]["flavor"] = "1T"
     (copy / "config.json").write_text(json.dumps(config))
     err = refused(["export-hf", str(copy), "-o", str(tmp_path / "out2")], capsys)
-    assert f"checkpoint '{copy}' is of model flavor '405B', which this plugtrain does not" in err
+    assert f"checkpoint '{copy}' is of model flavor '1T', which this plugtrain does not" in err
 
 
 def test_existing_output_is_kept_unless_overwrite(run, tmp_path, capsys):

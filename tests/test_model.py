@@ -262,6 +262,7 @@ def test_num_params_matches_the_built_model(args: ModelArgs) -> None:
 
 def test_large_flavours_match_published_llama_shapes() -> None:
     # Hidden sizes from the released configs (intermediate_size).
+    assert FLAVORS["405B"].ffn_hidden_dim == 53248
     assert FLAVORS["70B"].ffn_hidden_dim == 28672
     assert FLAVORS["8B"].ffn_hidden_dim == 14336
     assert FLAVORS["3B"].ffn_hidden_dim == 8192
@@ -270,6 +271,7 @@ def test_large_flavours_match_published_llama_shapes() -> None:
     # projection to the embedding, which plugtrain does not, so add one vocab x dim matrix.
     assert FLAVORS["8B"].num_params() == 8_030_261_248
     assert FLAVORS["70B"].num_params() == 70_553_706_496
+    assert FLAVORS["405B"].num_params() == 405_853_388_800
     for name, published in (("1B", 1_235_814_400), ("3B", 3_212_749_824)):
         args = FLAVORS[name]
         assert args.num_params() == published + args.vocab_size * args.dim, name

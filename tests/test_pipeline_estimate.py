@@ -181,3 +181,12 @@ def test_plugtrain_estimate_refuses_what_a_pipelined_run_would(capsys, overrides
     gpus = overrides[1]
     assert main(["estimate", DEBUG, "--gpus", gpus, *overrides]) == 2
     assert capsys.readouterr().err.strip() == f"plugtrain: error: {message}"
+
+
+def test_the_405b_config_pipelines_its_blocks_evenly_and_fits(capsys):
+    assert main(["estimate", str(CONFIGS / "llama3_405b.toml"), "--gpus", "168"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "(pp 21 x tp 8 x 1 data-parallel; pipeline rank 0, stages 0, 41)" in out[0]
+    assert out[-2].startswith("pipeline: ZBVZeroBubble, 21 ranks x 2 stage(s), 42 microbatches")
+    assert "bubble 0 = 0.0%" in out[-2]
+    assert float(out[-3].split()[1]) * 2**30 <= 0.9 * 80 * 10**9

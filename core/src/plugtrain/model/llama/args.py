@@ -281,6 +281,22 @@ FLAVORS: dict[str, ModelArgs] = {
         rope_theta=500000.0,
         max_seq_len=8192,
     ),
+    # Llama 3.1 405B (Hugging Face's Meta-Llama-3.1-405B config.json: 16384 x 126 blocks,
+    # intermediate 53248, 128 heads, 8 key/value heads), with Llama 3.1's RoPE scaling (the only
+    # released 405B has it) and an 8192-token table (trained at 8192 first): too large for
+    # FSDP and TP alone; configs/llama3_405b.toml pipelines it.
+    "405B": ModelArgs(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=_LLAMA3_VOCAB,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.2,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+        rope_scaling=RopeScaling(),
+    ),
 }
 
 
