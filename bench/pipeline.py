@@ -15,16 +15,19 @@ measured bubble of a rank is ``1 - busy / step``, to compare with
 ``training.pipeline_plan.bubble_fraction`` (which assumes balanced stages, free
 communication and, for ZBV, equal forward, input-gradient and weight-gradient times).
 
-**PP 2 vs 1 process**: the step time above against one process running the same batch
-(``m`` x 2 sequences) through the whole model in one forward and backward, with as many
-threads as one rank (``--threads``): rank 0 runs it just before each pipelined step while
+**PP 2 vs 1 process**: the step time above against one process running the same
+microbatches through the whole model, accumulating their gradients (what
+``training.grad_accum_steps = m`` does on one process), with as many threads as one rank
+(``--threads``): rank 0 runs it just before each pipelined step while
 rank 1 waits, and the ratio is the median of each pair's (``benchlib.paired_ratio``): the
 step time a 2-way pipeline gives with twice the cores. With a bubble ``b`` and no other cost
-it would be about ``1 / (2 (1 - b))``. On CPU each rank is pinned to a core of its own.
+it would be about ``1 / (2 (1 - b))``.
 
 CPU caveat: 2 processes on a 2-core machine shared with other work, with gloo's threads
 competing for the same cores. The bubble measured here is noisy (several points of a step);
-the medians over the steps are reported, with their spread in the JSON.
+the medians over the steps are reported, with their spread in the JSON, and the fastest
+pipelined step over the fastest 1-process one beside the median of the pairs' ratios: a
+step of both ranks is slowed by whatever slows either.
 
 GPU part (none here): on a machine with 2 or more GPUs, ``--device cuda`` runs the same
 measure over NCCL (one GPU a rank; the timers synchronise the device); compare
@@ -109,8 +112,6 @@ def pipelined(flavor: str, schedule: str, microbatches: int, steps: int, device:
     where = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
         torch.cuda.set_device(where)
-    elif len(os.sched_getaffinity(0)) >= PP:  # a core each: the ranks do not trade places
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     cls, per_rank = SCHEDULES[schedule]
     indices = rank_stages(schedule, PP, per_rank, rank)
@@ -149,11 +150,13 @@ def pipelined(flavor: str, schedule: str, microbatches: int, steps: int, device:
 def whole_model_step(
     net: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, device: torch.device
 ) -> float:
-    """Seconds of one forward and backward of the whole batch through the whole model."""
+    """Seconds of the step through the whole model: a forward and backward of each microbatch,
+    the gradients accumulated (``training.grad_accum_steps`` on one process)."""
     net.zero_grad(set_to_none=True)
     synchronize(device)
     start = time.perf_counter()
-    loss_fn(net(tokens), targets).backward()
+    for inputs, outputs in zip(tokens.split(SEQS), targets.split(SEQS), strict=True):
+        loss_fn(net(inputs), outputs).backward()
     synchronize(device)
     return time.perf_counter() - start
 
@@ -194,6 +197,7 @@ def main() -> None:
             first = per_rank_results[0]
             versus = benchlib.paired_ratio(first["step_s"], first["alone_s"])
             step, alone = versus["a_seconds"]["median"], versus["b_seconds"]["median"]
+            fastest = versus["a_seconds"]["min"] / versus["b_seconds"]["min"]
             results.append(
                 {
                     "schedule": schedule,
@@ -206,7 +210,7 @@ def main() -> None:
             rows.append(
                 [schedule, m, f"{theory} = {float(theory):.1%}"]
                 + [f"{rank['bubble']['median']:.1%}" for rank in ranks]
-                + [step * 1e3, alone * 1e3, versus["ratio"]["median"]]
+                + [step * 1e3, alone * 1e3, versus["ratio"]["median"], fastest]
             )
     print(
         f"\n{args.flavor} model, fp32, {PP} processes ({args.device}), microbatches of {SEQS} x "
@@ -215,7 +219,7 @@ def main() -> None:
     print(
         benchlib.table(
             ["schedule", "m", "bubble (theory)", "rank 0 bubble", "rank 1 bubble",
-             "PP 2 step ms", "1 process ms", "PP 2 / 1"],
+             "PP 2 step ms", "1 process ms", "PP 2 / 1", "fastest / fastest"],
             rows,
         )
     )  # fmt: skip

@@ -255,3 +255,17 @@ def test_moe(tmp_path):
     assert versus["moe_tokens_per_s_vs_dense"]["ratio"]["n"] == 2
     assert [g["dtype"] for g in results["grouped_vs_loop"]] == ["float32", "bfloat16"]
     assert all(g["bitwise_equal"] for g in results["grouped_vs_loop"])
+
+
+def test_pipeline(tmp_path):
+    results = quick_results("pipeline", tmp_path, "--microbatches", "4")
+    assert [(r["schedule"], r["microbatches"]) for r in results] == [
+        ("1F1B", 4), ("ZBVZeroBubble", 4),
+    ]  # fmt: skip
+    assert [r["bubble_theory"] for r in results] == [0.2, 0.0]
+    for r in results:
+        assert [rank["rank"] for rank in r["ranks"]] == [0, 1]
+        for rank in r["ranks"]:
+            assert 0 < rank["busy_s"]["median"] <= rank["step_s"]["median"]
+            assert rank["bubble"]["n"] == 2
+        assert r["pp2_over_one_process"]["ratio"]["n"] == 2
