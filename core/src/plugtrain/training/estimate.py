@@ -22,6 +22,7 @@ from plugtrain.errors import ConfigError
 from plugtrain.model import Checkpointing, MemoryEstimate, conversion_of, model_spec, size_text
 from plugtrain.model.moe.expert_parallel import check_expert_parallel
 from plugtrain.training.conversion import converted_model
+from plugtrain.training.pipeline import pipeline_placement
 from plugtrain.training.pipeline_plan import bubble_fraction, check_pipeline, pipeline_share
 
 if TYPE_CHECKING:
@@ -125,8 +126,8 @@ def estimate_run(
         experts = getattr(args, "num_experts", 0)
         check_expert_parallel(dims.ep, [experts] if experts else [], config.model.family)
     if dims.pp_enabled:
+        pipeline_placement(config, dims, spec)  # what the runtime refuses under pp
         check_pipeline(
-            config.model.family,
             args.n_layers,
             config.parallelism.pp_schedule,
             dims.pp,

@@ -44,7 +44,7 @@ from fractions import Fraction
 
 from plugtrain.config import PIPELINE_SCHEDULES, V_SCHEDULES
 from plugtrain.errors import ConfigError
-from plugtrain.model import PipelineShare, model_spec
+from plugtrain.model import PipelineShare
 from plugtrain.model.llama.pipeline import stage_layers
 
 __all__ = [
@@ -86,16 +86,10 @@ def check_microbatches(schedule: str, pp: int, stages_per_rank: int, microbatche
 
 
 def check_pipeline(
-    family: str, n_layers: int, schedule: str, pp: int, stages_per_rank: int, microbatches: int
+    n_layers: int, schedule: str, pp: int, stages_per_rank: int, microbatches: int
 ) -> None:
-    """Refuse, in one ``ConfigError`` line, a pipeline a run would refuse: a model ``family``
-    that cannot be split, ``n_layers`` that do not divide into ``pp * stages_per_rank``
-    stages, too few ``microbatches`` (:func:`check_microbatches`)."""
-    if model_spec(family).pipeline_split is None:
-        raise ConfigError(
-            f"model.family = '{family}' cannot be split into pipeline stages: set "
-            "parallelism.pp = 1"
-        )
+    """Refuse, in one ``ConfigError`` line, ``n_layers`` that do not divide into ``pp *
+    stages_per_rank`` stages, and too few ``microbatches`` (:func:`check_microbatches`)."""
     stage_layers(n_layers, pp * stages_per_rank, 0)
     check_microbatches(schedule, pp, stages_per_rank, microbatches)
 
