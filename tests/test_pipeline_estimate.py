@@ -175,6 +175,18 @@ def test_plugtrain_estimate_gives_the_largest_rank_and_the_bubble(capsys):
             "training.grad_accum_steps = 1 microbatches are fewer than ZBVZeroBubble needs on 2 "
             "pipeline ranks (4 stages): set grad_accum_steps to 3 or more",
         ),
+        (
+            [
+                "--parallelism.pp",
+                "2",
+                "--training.grad_accum_steps",
+                "2",
+                "--model.loss_chunks",
+                "2",
+            ],
+            "model.loss_chunks > 1 does not run under pipeline parallelism yet (parallelism.pp "
+            "= 2): set parallelism.pp = 1, or change model.loss_chunks",
+        ),
     ],
 )
 def test_plugtrain_estimate_refuses_what_a_pipelined_run_would(capsys, overrides, message):
