@@ -115,8 +115,8 @@ def pipelined(flavor: str, schedule: str, microbatches: int, steps: int, device:
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     cls, per_rank = SCHEDULES[schedule]
     indices = rank_stages(schedule, PP, per_rank, rank)
-    whole = model(flavor, where)
-    parts = model_spec("llama").pipeline_split(whole, PP * per_rank, indices)
+    whole = model(flavor, where)  # the 1-process baseline's (the split prunes its model)
+    parts = model_spec("llama").pipeline_split(model(flavor, where), PP * per_rank, indices)
     busy = [0.0]
     stages = []
     for index, part in zip(indices, parts, strict=True):
