@@ -236,6 +236,7 @@ def dims_of(pp: int, rank: int) -> ParallelDims:
 def test_each_rank_holds_its_schedules_stages(schedule, placements):
     config = JobConfig()
     config.parallelism = ParallelismConfig(pp=2, pp_schedule=schedule)
+    config.training.grad_accum_steps = 4
     got = [pipeline_placement(config, dims_of(2, rank), LLAMA) for rank in (0, 1)]
     assert got == placements
     assert pipeline_placement(JobConfig(), ParallelDims(), LLAMA) is None
@@ -248,6 +249,11 @@ def test_each_rank_holds_its_schedules_stages(schedule, placements):
             ("model", "loss_chunks", 2),
             "model.loss_chunks > 1 does not run under pipeline parallelism yet "
             "(parallelism.pp = 2): set parallelism.pp = 1, or change model.loss_chunks",
+        ),
+        (
+            ("training", "grad_accum_steps", 1),
+            "training.grad_accum_steps = 1 microbatches are fewer than 1F1B needs on 2 pipeline "
+            "ranks (2 stages): set grad_accum_steps to 2 or more",
         ),
         (
             ("model", "family", "moe"),

@@ -126,7 +126,6 @@ def estimate_run(
         experts = getattr(args, "num_experts", 0)
         check_expert_parallel(dims.ep, [experts] if experts else [], config.model.family)
     if dims.pp_enabled:
-        pipeline_placement(config, dims, spec)  # what the runtime refuses under pp
         check_pipeline(
             args.n_layers,
             config.parallelism.pp_schedule,
@@ -134,6 +133,7 @@ def estimate_run(
             config.parallelism.stages_per_rank,
             train.grad_accum_steps,
         )
+        pipeline_placement(config, dims, spec)  # what the runtime refuses under pp
     if model is None and host is not None and host.implementers("convert_model"):
         model = converted_model(config, host, args)
     formula = functools.partial(

@@ -34,6 +34,7 @@ from plugtrain.model import ModelSpec, pipeline_stages
 from plugtrain.plugin import StepContext
 from plugtrain.training.loss import LossFn, PluginLoss, RunLoss
 from plugtrain.training.loss_terms import LossTerms
+from plugtrain.training.pipeline_plan import check_microbatches, rank_stages
 
 SCHEDULES = {
     "GPipe": schedules.ScheduleGPipe,
@@ -49,8 +50,8 @@ def pipeline_placement(
     config: JobConfig, dims: ParallelDims, spec: ModelSpec
 ) -> tuple[int, tuple[int, ...]] | None:
     """The pipeline's stage count and this rank's stages (``model.build_model``'s
-    ``pipeline``), None without one; refused in one line: a family that cannot be split, and
-    what the pipeline cannot run yet."""
+    ``pipeline``), None without one; refused in one line: a family that cannot be split, too
+    few microbatches for the schedule, and what the pipeline cannot run yet."""
     parallelism = config.parallelism
     if not dims.pp_enabled:
         return None
@@ -64,10 +65,9 @@ def pipeline_placement(
                 f"{setting} does not run under pipeline parallelism yet (parallelism.pp = "
                 f"{dims.pp}): set parallelism.pp = 1, or change {setting.split(' ')[0]}"
             )
-    pp, rank, per_rank = dims.pp, dims.rank_in("pp"), parallelism.stages_per_rank
-    if parallelism.pp_schedule in V_SCHEDULES:  # the first and the last stage on rank 0
-        return 2 * pp, (rank, 2 * pp - 1 - rank)
-    return pp * per_rank, tuple(rank + k * pp for k in range(per_rank))
+    schedule, pp, per_rank = parallelism.pp_schedule, dims.pp, parallelism.stages_per_rank
+    check_microbatches(schedule, pp, per_rank, config.training.grad_accum_steps)
+    return pp * per_rank, rank_stages(schedule, pp, per_rank, dims.rank_in("pp"))
 
 
 class _StageShapes:

@@ -92,7 +92,9 @@ class RunLog:
             dims.device.type,
             cfg.training.mixed_precision_param,
         )
-        estimate = estimate_run(cfg, dims.world_size, self.model_args.vocab_size, model=model)
+        # A pipeline rank holds its stages only: the estimate is of the family's model, whole.
+        whole = None if dims.pp_enabled else model
+        estimate = estimate_run(cfg, dims.world_size, self.model_args.vocab_size, model=whole)
         logger.info("memory estimate per process: %s", estimate.summary())
         logger.info("optimizer (%s): %s", builder, describe_param_groups(optimizer))
 
