@@ -67,14 +67,6 @@ def test_expert_parallelism_is_carved_out_of_dp_shard():
     )
 
 
-def test_the_builder_refuses_dimensions_not_supported_yet():
-    with pytest.raises(ConfigError) as refused:
-        parallel_dims(ParallelismConfig(), 4, cp=2)
-    assert str(refused.value) == (
-        "cp = 2: this parallel dimension is not supported yet; leave it at 1"
-    )
-
-
 @pytest.mark.parametrize(
     ("degrees", "world", "shape"),
     [

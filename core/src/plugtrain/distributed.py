@@ -27,8 +27,11 @@ from plugtrain.errors import ConfigError
 
 DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 """The named parallel dimensions, outermost first. ``ep`` (expert parallelism) is carved out of
-``dp_shard``: its ranks are the innermost ``ep`` of a ``dp_shard`` group. ``cp`` has no config
-key yet and is always 1."""
+``dp_shard``: its ranks are the innermost ``ep`` of a ``dp_shard`` group."""
+
+SHARD_CP = "dp_shard_cp"
+"""The mesh dimension, under context parallelism, of ``dp_shard`` and ``cp`` flattened: FSDP
+shards over it, and a value of the tokens (a loss's count) is reduced over it."""
 
 EXPERT_SHARD = "dp_shard_mod_ep"
 """The mesh dimension, under expert parallelism, of the ``dp_shard / ep`` ranks that hold the
@@ -47,6 +50,7 @@ class Degrees(Protocol):
     tp: int
     ep: int
     pp: int
+    cp: int
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,8 @@ class ParallelDims:
 
     The ranks are laid out row-major over ``pp x dp_replicate x dp_shard x cp x tp`` (``tp``
     innermost: consecutive ranks). The ranks of one ``tp`` group, of one line of ``pp`` stages
-    (and, later, of a ``cp`` group) read the same batches; the data-parallel ones,
-    ``dp_replicate x dp_shard``, read different ones.
+    and of one ``cp`` group read the same batches (a ``cp`` group each its part of every
+    sequence); the data-parallel ones, ``dp_replicate x dp_shard``, read different ones.
     """
 
     dp_replicate: int = 1
@@ -73,7 +77,7 @@ class ParallelDims:
     """Expert-parallel degree, a divisor of ``dp_shard``: the ranks that split each layer's
     routed experts."""
     cp: int = 1
-    """Context-parallel degree (not supported yet: 1)."""
+    """Context-parallel degree: the ranks that split every sequence of a batch they share."""
     rank: int = 0
     """This process's rank in the world."""
     local_rank: int = 0
@@ -157,12 +161,13 @@ class ParallelDims:
 
     def get_mesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of dimension ``name``, or for ``"dp"`` the data-parallel mesh FSDP2
-        shards over: ``("dp_shard",)``, or ``("dp_replicate", "dp_shard")`` under HSDP.
+        shards over: ``("dp_shard",)``, ``("dp_replicate", "dp_shard")`` under HSDP, or
+        :data:`SHARD_CP` under context parallelism (its ranks hold different tokens).
 
         A dimension that is not in this run's mesh (``tp`` without tensor parallelism,
         ``dp_replicate`` without HSDP, ``ep`` without expert parallelism, ``pp`` without a
-        pipeline, ``cp``) is
-        refused in one line. Under expert parallelism there is also :data:`EXPERT_SHARD`.
+        pipeline, ``cp`` without context parallelism) is refused in one line. Under expert
+        parallelism there is also :data:`EXPERT_SHARD`.
         """
         if self.root is None:
             raise ValueError(
@@ -174,6 +179,8 @@ class ParallelDims:
             # The flattening _device_mesh made (returned again, not made anew): slicing a
             # flattened name from the root warns of its deprecation.
             return self.root[(EXPERT_SHARD, "ep")]._flatten("dp_shard")
+        if name == "dp" and self.cp_enabled:
+            return self.root[("dp_shard", "cp")]._flatten(SHARD_CP)  # made by _device_mesh
         if name == "dp":
             data_parallel = tuple(n for n in names if n not in ("pp", "tp"))
             return self.root if data_parallel == names else self.root[data_parallel]
@@ -203,12 +210,17 @@ def resolve_device(choice: str) -> torch.device:
 
 
 def mesh_shape(
-    world_size: int, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int = 1
+    world_size: int,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
 ) -> tuple[int, ...]:
-    """The mesh's shape for ``parallelism.dp_replicate``, ``dp_shard``, ``tp`` and ``pp`` on
-    ``world_size`` ranks: ``(world_size,)`` for plain FSDP, ``(dp_replicate, dp_shard)`` for
-    HSDP, ``(dp_replicate, dp_shard, tp)`` with tensor parallelism, ``pp`` in front with
-    pipeline parallelism.
+    """The mesh's shape for ``parallelism.dp_replicate``, ``dp_shard``, ``tp``, ``pp`` and
+    ``cp`` on ``world_size`` ranks: ``(world_size,)`` for plain FSDP, ``(dp_replicate,
+    dp_shard)`` for HSDP, ``(dp_replicate, dp_shard, tp)`` with tensor parallelism, ``pp`` in
+    front with pipeline parallelism, ``(dp_shard, cp)`` with context parallelism.
 
     Degrees whose product is not the world size are refused in one line naming them.
     """
@@ -218,7 +230,14 @@ def mesh_shape(
                 f"parallelism.pp = {pp} does not divide the world size {world_size}: launch a "
                 f"multiple of {pp} processes, or set pp to a divisor of {world_size}"
             )
-        return (pp, *mesh_shape(world_size // pp, dp_replicate, dp_shard, tp))
+        return (pp, *mesh_shape(world_size // pp, dp_replicate, dp_shard, tp, cp=cp))
+    if cp > 1:
+        if world_size % cp:
+            raise ConfigError(
+                f"parallelism.cp = {cp} does not divide the world size {world_size}: launch a "
+                f"multiple of {cp} processes, or set cp to a divisor of {world_size}"
+            )
+        return (*mesh_shape(world_size // cp, dp_replicate, dp_shard, tp), cp)
     if tp > 1:
         if world_size % tp:
             raise ConfigError(
@@ -257,32 +276,38 @@ def parallel_dims(
     rank: int = 0,
     local_rank: int = 0,
     device: torch.device = CPU,
-    cp: int = 1,
 ) -> ParallelDims:
     """The :class:`ParallelDims` of ``degrees`` (the ``[parallelism]`` section) on ``world_size``
     ranks, without a mesh: the degrees checked as :func:`mesh_shape` checks them, ``dp_shard``
-    resolved. ``cp`` above 1 is refused in one line (not supported yet), as is expert
-    parallelism with tensor, hybrid or pipeline parallelism (not composed yet)."""
-    if cp > 1:
-        raise ConfigError(f"cp = {cp}: this parallel dimension is not supported yet; leave it at 1")
-    ep, pp = degrees.ep, degrees.pp
-    others = (("tp", degrees.tp), ("dp_replicate", degrees.dp_replicate), ("pp", pp))
-    for name, degree in others:
-        if ep > 1 and degree > 1:
-            raise ConfigError(
-                f"parallelism.ep = {ep} with {name} = {degree}: expert parallelism does not "
-                f"compose with {name} yet; set parallelism.{name} = 1, or ep = 1"
-            )
-    shape = mesh_shape(world_size, degrees.dp_replicate, degrees.dp_shard, degrees.tp, pp)
-    shape = shape[1:] if pp > 1 else shape  # the data-parallel and tensor-parallel part
-    dp_shard = shape[1] if len(shape) == 3 else shape[-1]
+    resolved. Expert parallelism with tensor, hybrid or pipeline parallelism, and context
+    parallelism with any of those or expert parallelism, are refused in one line (not composed
+    yet)."""
+    ep, pp, cp, tp, replicate = (
+        degrees.ep, degrees.pp, degrees.cp, degrees.tp, degrees.dp_replicate
+    )  # fmt: skip
+    for outer, degree_of, others in (
+        ("ep", ep, (("tp", tp), ("dp_replicate", replicate), ("pp", pp))),
+        ("cp", cp, (("tp", tp), ("dp_replicate", replicate), ("pp", pp), ("ep", ep))),
+    ):
+        for name, degree in others:
+            if degree_of > 1 and degree > 1:
+                full = {"ep": "expert", "cp": "context"}[outer]
+                raise ConfigError(
+                    f"parallelism.{outer} = {degree_of} with {name} = {degree}: {full} "
+                    f"parallelism does not compose with {name} yet; set parallelism.{name} = "
+                    f"1, or {outer} = 1"
+                )
+    mesh_shape(world_size, replicate, degrees.dp_shard, tp, pp, cp)
+    dp_shard = degrees.dp_shard
+    if dp_shard == -1:
+        dp_shard = world_size // (pp * replicate * cp * tp)
     return ParallelDims(
-        degrees.dp_replicate, dp_shard, degrees.tp, pp=pp, ep=ep, rank=rank,
-        local_rank=local_rank, device=device,
+        replicate, dp_shard, tp, pp=pp, ep=ep, cp=cp, rank=rank, local_rank=local_rank,
+        device=device,
     )  # fmt: skip
 
 
-def init_parallel_dims(device_choice: str, degrees: Degrees, *, cp: int = 1) -> ParallelDims:
+def init_parallel_dims(device_choice: str, degrees: Degrees) -> ParallelDims:
     """Join (or, for a plain ``python`` launch, create) the process group and build the job's
     :class:`ParallelDims` from ``degrees`` (the ``[parallelism]`` section), with its one mesh:
     the run's single builder of its degrees, meshes and ranks."""
@@ -299,13 +324,17 @@ def init_parallel_dims(device_choice: str, degrees: Degrees, *, cp: int = 1) -> 
             # A private HashStore makes a one-process group without opening a port, so
             # the single-process run takes exactly the same FSDP2 code path as torchrun's.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if degrees.cp > 1:
+        raise ConfigError(
+            f"parallelism.cp = {degrees.cp}: context parallelism is not supported yet; leave "
+            "it at 1"
+        )
     dims = parallel_dims(
         degrees,
         dist.get_world_size(),
         rank=dist.get_rank(),
         local_rank=local_rank,
         device=device,
-        cp=cp,
     )
     return dataclasses.replace(dims, root=_device_mesh(dims, device.type))
 
@@ -328,6 +357,12 @@ def _device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
         names = names[:2] if dims.dp_replicate_enabled else ("dp_shard",)
     if dims.pp_enabled:
         names = ("pp", *names)
+    if dims.cp_enabled:  # FSDP over dp_shard x cp, flattened (torchtitan's dp_shard_cp)
+        root = init_device_mesh(
+            device_type, (dims.dp_shard, dims.cp), mesh_dim_names=("dp_shard", "cp")
+        )
+        root[("dp_shard", "cp")]._flatten(SHARD_CP)
+        return root
     shape = tuple(dims.size(name) for name in names)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 

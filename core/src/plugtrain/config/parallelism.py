@@ -1,4 +1,4 @@
-"""The [parallelism] section: how the ranks split the model: FSDP, HSDP, TP, EP and PP."""
+"""The [parallelism] section: how the ranks split the model: FSDP, HSDP, TP, EP, PP and CP."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from plugtrain.errors import check_field
 
 PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 """The pipeline schedules ``pp_schedule`` names (``torch.distributed.pipelining``'s)."""
+
+CP_METHODS = ("allgather", "ulysses")
+"""How ``cp`` ranks compute attention over the whole sequence (``cp_method``)."""
 
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """The schedules whose two stages per rank are placed in a V: rank ``r`` holds stages ``r``
@@ -60,6 +63,18 @@ class ParallelismConfig:
     """Stages each pipeline rank holds: 1 for GPipe and 1F1B, 2 or more for Interleaved1F1B,
     exactly 2 for ZBVZeroBubble and DualPipeV; -1: the schedule's least (1, or 2)."""
 
+    cp: int = 1
+    """Context-parallel degree: ranks that split every sequence (long contexts): each holds
+    ``seq_len / cp`` of its tokens, and its activations, and attends over the whole sequence
+    by ``cp_method``. The ``cp`` ranks of a group read the same rows; FSDP shards over
+    ``dp_shard x cp``. ``training.seq_len`` must divide into ``2 x cp`` chunks (each rank
+    holds two, one from each end: causal attention's work balanced). 1: no context
+    parallelism."""
+    cp_method: str = "allgather"
+    """``allgather``: each rank gathers every rank's keys and values and attends its own
+    queries over them (Llama 3's); ``ulysses``: an all-to-all gives each rank the whole
+    sequence for ``heads / cp`` of the heads (the key/value heads must divide by ``cp``)."""
+
     def __post_init__(self) -> None:
         check_field(
             self.dp_replicate >= 1, "dp_replicate", f"must be >= 1, got {self.dp_replicate}"
@@ -72,6 +87,13 @@ class ParallelismConfig:
         check_field(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
         check_field(self.ep >= 1, "ep", f"must be >= 1, got {self.ep}")
         check_field(self.pp >= 1, "pp", f"must be >= 1, got {self.pp}")
+        check_field(self.cp >= 1, "cp", f"must be >= 1, got {self.cp}")
+        check_field(
+            self.cp_method in CP_METHODS,
+            "cp_method",
+            f"is '{self.cp_method}', not a context-parallel method: choose one of "
+            + ", ".join(CP_METHODS),
+        )
         names = ", ".join(PIPELINE_SCHEDULES)
         check_field(
             self.pp_schedule in PIPELINE_SCHEDULES,
