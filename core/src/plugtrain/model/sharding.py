@@ -7,10 +7,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from plugtrain.model.context_parallel import parallelize_context
 from plugtrain.model.conversion import conversion_of
 from plugtrain.model.init import fill_parameter
 from plugtrain.model.moe.expert_parallel import parallelize_experts, shard_experts
@@ -120,6 +122,7 @@ def build_model(
     tp_mesh: DeviceMesh | None = None,
     ep_meshes: tuple[DeviceMesh, DeviceMesh] | None = None,
     pipeline: tuple[int, Sequence[int]] | None = None,
+    context: tuple[dist.ProcessGroup, str] | None = None,
 ) -> nn.Module:
     """Build family ``spec``'s model of shape ``args`` on the meta device, ``transform`` it,
     split it over ``tp_mesh`` (its TP plan, if given), split its experts over the first of
@@ -127,7 +130,8 @@ def build_model(
     shard the rest over ``mesh``, then materialise and initialise it (its init plan).
     ``pipeline`` (stages, this rank's stage indices) prunes it into this rank's part of a
     pipeline (``ModelSpec.pipeline_split``) before it is sharded: the stages it runs are then
-    :func:`pipeline_stages`.
+    :func:`pipeline_stages`. ``context`` (the ``cp`` group, ``cp_method``) makes its
+    attention context parallel (``model.context_parallel``).
 
     ``transform`` (the plugins' model hooks) sees the unsharded model on the meta device and
     changes it in place; the parameters a plugin added there (``model/conversion.py``) are
@@ -145,6 +149,8 @@ def build_model(
     if tp_mesh is not None:
         with conversion.tensor_parallel(model, tp_mesh):
             spec.parallelize(model, tp_mesh)
+    if context is not None:
+        parallelize_context(model, *context)
     experts_mesh = None
     if ep_meshes is not None:
         parallelize_experts(model, ep_meshes[0], spec.name)
