@@ -135,7 +135,7 @@ parameter's mesh). The step's microbatches run through the stages by the schedul
   stage's, summed over ``pp``.
 * ``build_loss`` answers (a loss that runs the model itself) are refused, as are plugins that
   run the whole model's forward (``samples``, ``downstream_eval``: refused at ``setup`` with
-  :func:`plugtrain.plugin.refuse_pipeline_parallel`). Validation runs the stages' forward in
+  :func:`plugtrain.plugin.refuse_split_model`). Validation runs the stages' forward in
   order, between ``pre_validation`` and ``post_validation`` on every rank.
 * The zero-bubble schedules take each block's weight gradients apart from its input gradients;
   no block is resharded after its forward under a pipeline, as they need.

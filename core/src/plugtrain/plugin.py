@@ -93,7 +93,7 @@ __all__ = [
     "read_task",
     "reduce_over_replicas",
     "reduce_over_stages",
-    "refuse_pipeline_parallel",
+    "refuse_split_model",
     "refuse_tensor_parallel",
     "score",
     "total_norm",
@@ -680,17 +680,22 @@ def refuse_tensor_parallel(dims: ParallelDims, name: str) -> None:
         )
 
 
-def refuse_pipeline_parallel(dims: ParallelDims, name: str) -> None:
-    """Refuse, in one line, to run plugin ``name`` under pipeline parallelism (``dims.pp >
-    1``): for a plugin that runs the whole model's forward itself (decoding, scoring), which a
-    pipeline stage does not hold. Call it in ``setup``, so the run stops before step 1."""
-    pp = dims.pp
-    if pp > 1:
-        raise ConfigError(
-            f"plugin '{name}' runs the whole model, but under pipeline parallelism "
-            f"(parallelism.pp = {pp}) each rank holds only its stages: remove '{name}' from "
-            "plugins.enabled, or set parallelism.pp = 1"
-        )
+def refuse_split_model(dims: ParallelDims, name: str) -> None:
+    """Refuse, in one line, to run plugin ``name`` where no rank holds the whole model's
+    forward: under pipeline parallelism (``dims.pp > 1``, each rank holds its stages) or
+    context parallelism (``dims.cp > 1``, each rank its part of every sequence); for a plugin
+    that runs the whole model itself (decoding, scoring). Call it in ``setup``, so the run
+    stops before step 1."""
+    holds = {
+        "pp": "pipeline parallelism (parallelism.pp = {}) each rank holds only its stages",
+        "cp": "context parallelism (parallelism.cp = {}) each rank holds its part of each row",
+    }
+    for key, degree in (("pp", dims.pp), ("cp", dims.cp)):
+        if degree > 1:
+            raise ConfigError(
+                f"plugin '{name}' runs the whole model, but under {holds[key].format(degree)}: "
+                f"remove '{name}' from plugins.enabled, or set parallelism.{key} = 1"
+            )
 
 
 def reduce_over_stages(

@@ -26,7 +26,7 @@ from plugtrain.plugin import (
     encode_tasks,
     hookimpl,
     read_task,
-    refuse_pipeline_parallel,
+    refuse_split_model,
     score,
 )
 
@@ -69,7 +69,7 @@ class DownstreamEval:
     @hookimpl
     def setup(self, ctx: SetupContext) -> None:
         self.config = cfg = ctx.plugin_config(self)
-        refuse_pipeline_parallel(ctx.parallel_dims, ctx.name_of(self))
+        refuse_split_model(ctx.parallel_dims, ctx.name_of(self))
         if not ctx.config.validation.interval:
             ctx.deactivate(self, "validation.interval is 0: no validation to score tasks at")
             return

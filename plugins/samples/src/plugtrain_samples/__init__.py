@@ -22,7 +22,7 @@ from plugtrain.plugin import (
     check_field,
     complete,
     hookimpl,
-    refuse_pipeline_parallel,
+    refuse_split_model,
 )
 
 __all__ = ["Samples", "SamplesConfig"]
@@ -68,7 +68,7 @@ class Samples:
     def setup(self, ctx: SetupContext) -> None:
         self.config = ctx.plugin_config(self)
         self.name, self.rank = ctx.name_of(self), ctx.parallel_dims.rank
-        refuse_pipeline_parallel(ctx.parallel_dims, self.name)
+        refuse_split_model(ctx.parallel_dims, self.name)
         self.model, self.tokenizer = ctx.model, ctx.tokenizer
         if not ctx.config.validation.interval:
             reason = "validation.interval is 0: no validation to write samples at"
