@@ -324,11 +324,6 @@ def init_parallel_dims(device_choice: str, degrees: Degrees) -> ParallelDims:
             # A private HashStore makes a one-process group without opening a port, so
             # the single-process run takes exactly the same FSDP2 code path as torchrun's.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    if degrees.cp > 1:
-        raise ConfigError(
-            f"parallelism.cp = {degrees.cp}: context parallelism is not supported yet; leave "
-            "it at 1"
-        )
     dims = parallel_dims(
         degrees,
         dist.get_world_size(),

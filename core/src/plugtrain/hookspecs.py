@@ -95,8 +95,8 @@ time, with that plugin's own state.
 
 The job's layout: ``ModelContext``, ``OptimizerContext`` and ``SetupContext`` carry
 ``ctx.parallel_dims`` (:class:`plugtrain.plugin.ParallelDims`), built once per run from
-``[parallelism]``: each dimension's degree (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``,
-``ep``; ``cp`` is 1 for now) and ``*_enabled``, this rank's index in each (``rank_in("tp")``),
+``[parallelism]``: each dimension's degree (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``,
+``tp``, ``ep``) and ``*_enabled``, this rank's index in each (``rank_in("tp")``),
 the world's ``rank``, ``world_size`` and ``is_main``, the ranks that train on different data
 (``dp_rank`` of ``dp_size``) and the meshes by name (``get_mesh("dp")``, ``get_mesh("tp")``).
 A plugin reads the layout there, never from ``config.parallelism``.
@@ -139,6 +139,15 @@ parameter's mesh). The step's microbatches run through the stages by the schedul
   order, between ``pre_validation`` and ``post_validation`` on every rank.
 * The zero-bubble schedules take each block's weight gradients apart from its input gradients;
   no block is resharded after its forward under a pipeline, as they need.
+
+What a hook sees under context parallelism (``ctx.parallel_dims.cp_enabled``): each rank of a
+``cp`` group holds its part of every row of the batch they share (two chunks, one from each
+end), so ``loss_terms`` receives this rank's tokens' logits, targets and mask, and
+``ctx.count`` the step's count over every rank's part: a term normalised as ``loss_terms``
+asks sums, over the ranks, to the whole rows' term. The parameters and gradients are
+sharded over ``dp_shard x cp`` (``get_mesh("dp")``, :func:`plugtrain.plugin.data_parallel_group`,
+whose ``size()`` counts the ``cp`` ranks: reduce a value of the tokens over it); a plugin that
+runs the whole model's forward is refused (``refuse_split_model``).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from plugtrain.model.context_parallel import ContextParallel as ContextParallel
+    from plugtrain.model.context_parallel import zigzag_indices as zigzag_indices
     from plugtrain.model.conversion import AdapterExport as AdapterExport
     from plugtrain.model.conversion import AdapterWriter as AdapterWriter
     from plugtrain.model.conversion import Conversion as Conversion

@@ -18,7 +18,7 @@ import torch
 from plugtrain.data import MicroBatch
 from plugtrain.errors import DataError, PluginError
 from plugtrain.host import PluginHost
-from plugtrain.model import model_spec
+from plugtrain.model import model_spec, zigzag_indices
 from plugtrain.model.moe.balance import Balance
 from plugtrain.observability import StepTimer
 from plugtrain.plugin import SetupContext, StepContext, data_parallel_group
@@ -62,6 +62,13 @@ class StepRunner:
         """The loss terms, the plugins' and the core's own; None if none is on."""
         self.loss: RunLoss = plugin_loss(host, ctx, self.loss_terms) or loss
         """The training loss: the one plugin's that answers ``build_loss``, else the run's."""
+        self.context = (dims.cp, dims.rank_in("cp")) if dims.cp_enabled else None
+        """Under context parallelism, the ``cp`` degree and this rank's place in it."""
+        if self.context is not None and isinstance(self.loss, PluginLoss):
+            raise PluginError(
+                f"plugin '{self.loss.name}' answers the loss of whole sequences, which context "
+                f"parallelism splits (parallelism.cp = {dims.cp}): set parallelism.cp = 1"
+            )
         self.pipeline: Pipeline | None = None
         """This rank's stages and their schedule, under pipeline parallelism; else None."""
         spec = model_spec(ctx.config.model.family)
@@ -74,8 +81,10 @@ class StepRunner:
         the pipeline's schedule."""
 
     def forward_backward(self, ctx: StepContext, batch: Sequence[MicroBatch]) -> torch.Tensor:
-        """Forward and backward over ``batch``, the step's microbatches, by :attr:`body`;
-        returns the step's loss on this rank (the cross-entropy alone, a tensor)."""
+        """Forward and backward over ``batch``, the step's microbatches (under context
+        parallelism this rank's part of their rows), by :attr:`body`; returns the step's loss
+        on this rank (the cross-entropy alone, a tensor)."""
+        batch = [self.context_part(microbatch) for microbatch in batch]
         if isinstance(self.loss, PluginLoss):
             self.loss.ctx = ctx
         self.loss.start(batch)
@@ -87,11 +96,18 @@ class StepRunner:
 
     def evaluate(self, microbatch: MicroBatch, fn: LossFn, masked: bool) -> torch.Tensor:
         """Validation's loss ``fn`` of ``microbatch`` (for ``masked`` data its sum over the
-        counted targets, else the mean), forward only, as training computes it: through the
-        pipeline, if any."""
+        counted targets, else the mean; under context parallelism, of this rank's part of it:
+        :meth:`context_part`), forward only, as training computes it: through the pipeline, if
+        any."""
         if self.pipeline is not None:
             return self.pipeline.evaluate(microbatch, fn, masked)
         return self.loss.forward(self.model, microbatch, fn, masked=masked)[1]
+
+    def context_part(self, microbatch: MicroBatch) -> MicroBatch:
+        """Under context parallelism this rank's part of ``microbatch`` (:func:`context_part`);
+        else ``microbatch``. Every loss of a part counts its own targets: the step's count is
+        summed over the ``cp`` ranks too (``plugtrain.plugin.data_parallel_group``)."""
+        return microbatch if self.context is None else context_part(microbatch, *self.context)
 
     @property
     def states(self) -> dict[str, Balance]:
@@ -128,6 +144,25 @@ class StepRunner:
             self.sync_replicas(ctx.microbatch == ctx.num_microbatches - 1)
             ctx.loss.backward()
         return loss_sum
+
+
+def context_part(microbatch: MicroBatch, cp: int, rank: int) -> MicroBatch:
+    """Rank ``rank`` of ``cp``'s part of each of ``microbatch``'s rows
+    (``model.context_parallel.zigzag_indices``), with each token's RoPE position (its place in
+    the row, unless the microbatch has per-document ones)."""
+    rows, seq = microbatch.inputs.shape
+    device = microbatch.inputs.device
+    positions = microbatch.positions
+    if positions is None:
+        positions = torch.arange(seq, dtype=torch.int32, device=device).expand(rows, seq)
+    part = zigzag_indices(seq, cp, rank, device)
+    documents = microbatch.documents
+    return microbatch._replace(
+        inputs=microbatch.inputs[:, part],
+        targets=microbatch.targets[:, part],
+        documents=None if documents is None else documents[:, part],
+        positions=positions[:, part],
+    )
 
 
 def plugin_loss(host: PluginHost, ctx: SetupContext, terms: LossTerms | None) -> PluginLoss | None:

@@ -52,9 +52,9 @@ from plugtrain.plugin import (
 )
 from plugtrain.training.conversion import fire_convert_model, trainable_named_parameters
 from plugtrain.training.dump_folder import lock_dump_folder
+from plugtrain.training.layout import model_layout
 from plugtrain.training.loss import RunLoss
 from plugtrain.training.optim import LRSchedule, build_optimizer, plugin_optimizer
-from plugtrain.training.pipeline import pipeline_placement
 from plugtrain.training.requests import RunRequests
 from plugtrain.training.run_data import open_training_data, run_datasets
 from plugtrain.training.run_info import RunInfo
@@ -165,9 +165,7 @@ class Trainer:
             self.device,
             train_cfg.seed,
             init_weights=False,
-            tp_mesh=self.parallel_dims.get_mesh("tp") if self.parallel_dims.tp_enabled else None,
-            ep_meshes=self.parallel_dims.expert_meshes(),
-            pipeline=pipeline_placement(self.config, self.parallel_dims, self.model_spec),
+            **model_layout(self.config, self.parallel_dims, self.model_spec),
         )
         """Builds a model laid out like the run's, without the model hooks, its weights empty."""
         init = self.initial_load is None
@@ -300,7 +298,7 @@ class Trainer:
         self.validation: Validation | None = None
         if self.val_data is not None:
             args = self.model, self.val_data, self.runner.loss, self.tokenizer, self.host, dims
-            self.validation = Validation(self.config, *args, self.runner.evaluate)
+            self.validation = Validation(self.config, *args, self.runner)
         if self.param_dtype == torch.float16 and ctx.loss_scaler is None and dims.is_main:
             warnings.warn(
                 "training.mixed_precision_param is float16 but no enabled plugin scales the "

@@ -10,7 +10,8 @@ the pipeline's schedule: ``StepRunner.evaluate``), so the loss of the same text 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,16 +22,16 @@ from plugtrain.host import PluginHost
 from plugtrain.model import reshard
 from plugtrain.observability import to_number
 from plugtrain.plugin import ValidationContext
-from plugtrain.training.loss import LossFn, PluginLoss, RunLoss
+from plugtrain.training.loss import PluginLoss, RunLoss
 
-Forward = Callable[[MicroBatch, LossFn, bool], torch.Tensor]
-"""Validation's forward: the loss function's value on a microbatch, of masked data or not
-(``training.step.StepRunner.evaluate``)."""
+if TYPE_CHECKING:
+    from plugtrain.training.step import StepRunner
 
 
 class Validation:
-    """The validation passes of a run over ``data``, with its ``loss`` computed by ``forward``,
-    on this rank of ``dims``."""
+    """The validation passes of a run over ``data``, with its ``loss`` computed as ``step``
+    computes the training one (on this rank's part of a row, through a pipeline), on this rank
+    of ``dims``."""
 
     def __init__(
         self,
@@ -41,10 +42,10 @@ class Validation:
         tokenizer: Tokenizer,
         host: PluginHost,
         dims: ParallelDims,
-        forward: Forward,
+        step: StepRunner,
     ) -> None:
         self.config, self.model, self.data, self.loss = config, model, data, loss
-        self.host, self.dims, self.forward = host, dims, forward
+        self.host, self.dims, self.step = host, dims, step
         self.token_bytes = torch.tensor(tokenizer.token_byte_lengths(), device=dims.device)
         """The UTF-8 bytes each token id stands for, for ``validation_bpb``."""
         self.answered = self.plugin_loss if isinstance(loss, PluginLoss) else None
@@ -102,14 +103,15 @@ class Validation:
         return (total[0] / total[1].clamp(min=1)).item(), None
 
     def batches(self) -> Iterator[MicroBatch]:
-        """This rank's validation batches."""
-        return iter_eval_batches(
+        """This rank's validation batches (under context parallelism its part of them)."""
+        batches = iter_eval_batches(
             self.data,
             batch_size=self.config.training.batch_size,
             rank=self.dims.dp_rank,
             world_size=self.dims.dp_size,
             max_batches=self.config.validation.steps,
         )
+        return (self.step.context_part(microbatch) for microbatch in batches)
 
     @torch.no_grad()
     def loss_and_bpb(self) -> tuple[float, float]:
@@ -125,7 +127,7 @@ class Validation:
             microbatch = microbatch.to(device)
             targets = microbatch.targets
             with self.loss.parallel():
-                loss = self.forward(microbatch, loss_fn, masked)
+                loss = self.step.evaluate(microbatch, loss_fn, masked)
             if masked:  # the loss over the counted tokens, as in training
                 counted = targets != IGNORE_INDEX
                 total[0] += loss
