@@ -189,6 +189,23 @@ def test_the_lines_follow_the_layout_the_device_and_the_options():
     )
 
 
+def test_the_layout_line_names_a_pipeline_and_context_parallelism():
+    config = JobConfig()
+    config.resolve_attention(chat=False)
+    config.parallelism.pp_schedule, config.training.grad_accum_steps = "ZBVZeroBubble", 4
+    pipelined = setup_lines(run_setup(config, ParallelDims(pp=2, dp_shard=2), False, None))[1]
+    assert pipelined == (
+        "layout: 1 x 2 x 1 (dp_replicate x dp_shard x tp) in each of 2 pipeline ranks "
+        "(ZBVZeroBubble, 2 stage(s) per rank, 4 microbatches)"
+    )
+    config.parallelism.cp_method = "ulysses"
+    split = setup_lines(run_setup(config, ParallelDims(dp_shard=2, cp=2), False, None))[1]
+    assert split == (
+        "layout: 1 x 2 x 1 (dp_replicate x dp_shard x tp), each row split over 2 "
+        "context-parallel ranks (ulysses)"
+    )
+
+
 def test_the_docs_show_the_default_runs_lines(doc_block, repo):
     config = JobConfig()  # python train.py's
     config.resolve_attention(chat=False)

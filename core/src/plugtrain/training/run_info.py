@@ -3,10 +3,11 @@
 The modes, also recorded in ``run.json`` (``setup``), are those no loss line shows: the
 attention (causal, or masked to each document of a packed row, and the kernel that computes
 it), the RoPE positions (running on across documents, or restarting at each), the parallel
-layout (``dp_replicate x dp_shard x tp``, and a pipeline's schedule), the loss mask (every
-token, or the assistant's only) and the chat template (where it was read, and its sha256,
-:attr:`ChatTemplate.sha256`). Document masking on data whose documents are longer than a row
-changes nothing; the start-up says so from the first batch, which the run draws anyway.
+layout (``dp_replicate x dp_shard x tp``, a pipeline's schedule, context parallelism), the
+loss mask (every token, or the assistant's only) and the chat template (where it was read, and
+its sha256, :attr:`ChatTemplate.sha256`). Document masking on data whose documents are longer
+than a row changes nothing; the start-up says so from the first batch, which the run draws
+anyway.
 
 The summary says where the run ended (step, last and best validation loss), where its
 checkpoint and metrics are, and the commands that use them, ready to paste. Rank 0 says it all.
@@ -54,6 +55,8 @@ def run_setup(
         "loss_mask": "assistant" if loss_mask else "none",
         "chat_template": None if template is None else template.record(),
     }
+    if dims.cp_enabled:
+        setup["context"] = {"cp": dims.cp, "method": config.parallelism.cp_method}
     if dims.pp_enabled:
         setup["pipeline"] = {
             "pp": dims.pp,
@@ -74,13 +77,16 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
         positions = "RoPE positions restart at each document"
     else:
         positions = "RoPE positions run on across documents"
-    layout, pipeline = setup["layout"], ""
+    layout, besides = setup["layout"], ""  # the parallelism the layout's degrees leave out
     if "pipeline" in setup:  # the stages' ranks are outside the layout's
         pp = setup["pipeline"]
-        pipeline = (
+        besides = (
             f" in each of {pp['pp']} pipeline ranks ({pp['schedule']}, "
             f"{pp['stages_per_rank']} stage(s) per rank, {pp['microbatches']} microbatches)"
         )
+    if "context" in setup:  # the cp ranks are inside dp_shard's
+        cp = setup["context"]
+        besides += f", each row split over {cp['cp']} context-parallel ranks ({cp['method']})"
     masked = setup["loss_mask"] == "assistant"
     loss = "the assistant's tokens only (data.chat_loss)" if masked else "every token"
     template = setup["chat_template"]
@@ -89,7 +95,7 @@ def setup_lines(setup: dict[str, Any]) -> list[str]:
     )
     return [
         f"attention: {attention}; {positions}",
-        f"layout: {' x '.join(str(layout[n]) for n in LAYOUT)} ({' x '.join(LAYOUT)}){pipeline}",
+        f"layout: {' x '.join(str(layout[n]) for n in LAYOUT)} ({' x '.join(LAYOUT)}){besides}",
         f"loss on {loss}; chat template: {named}",
     ]
 
