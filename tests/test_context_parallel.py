@@ -24,6 +24,7 @@ from plugtrain.model import LLAMA, MOE
 from plugtrain.model.context_parallel import zigzag_indices
 from plugtrain.plugin import hookimpl
 from plugtrain.testing import SAMPLE, make_trainer, metrics_by_step, run_distributed
+from plugtrain.training import estimate_run
 from plugtrain.training.layout import context_parallel
 from plugtrain.training.step import context_part
 
@@ -304,3 +305,18 @@ def test_a_microbatch_part_keeps_each_tokens_place():
     assert part.targets.tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
     assert part.positions.tolist() == [[2, 3, 4, 5], [2, 3, 4, 5]]  # RoPE: their places
     assert part.documents.tolist() == [[0, 1, 1, 1], [3, 3, 4, 4]]
+
+
+def test_the_estimate_gives_a_rank_the_activations_of_its_part_of_a_row():
+    def estimate(cp: int, seq_len: int, world: int):
+        config = JobConfig()
+        config.parallelism.cp = cp
+        config.training.seq_len, config.training.batch_size = seq_len, 2
+        return estimate_run(config, world)
+
+    split, short = estimate(cp=2, seq_len=1024, world=4), estimate(cp=1, seq_len=512, world=2)
+    sizes = [{name: size for name, size, _ in e.parts} for e in (split, short)]
+    assert sizes[0]["activations"] == sizes[1]["activations"] > 0
+    assert sizes[0]["logits"] == sizes[1]["logits"] > 0
+    # The model is sharded over dp_shard x cp: all four ranks.
+    assert sizes[0]["parameters"] * 2 == sizes[1]["parameters"]

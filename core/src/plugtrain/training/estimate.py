@@ -22,6 +22,7 @@ from plugtrain.errors import ConfigError
 from plugtrain.model import Checkpointing, MemoryEstimate, conversion_of, model_spec, size_text
 from plugtrain.model.moe.expert_parallel import check_expert_parallel
 from plugtrain.training.conversion import converted_model
+from plugtrain.training.layout import check_context_parallel
 from plugtrain.training.pipeline import pipeline_placement
 from plugtrain.training.pipeline_plan import bubble_fraction, check_pipeline, pipeline_share
 
@@ -134,6 +135,7 @@ def estimate_run(
             train.grad_accum_steps,
         )
         pipeline_placement(config, dims, spec)  # what the runtime refuses under pp
+    check_context_parallel(config, dims, spec)
     if model is None and host is not None and host.implementers("convert_model"):
         model = converted_model(config, host, args)
     formula = functools.partial(
@@ -141,7 +143,8 @@ def estimate_run(
         args,
         world_size=world_size,
         microbatch=train.batch_size // parts,
-        seq_len=train.seq_len,
+        # Under context parallelism each rank holds the activations of its part of a row.
+        seq_len=train.seq_len // dims.cp,
         param_dtype=train.mixed_precision_param,
         reduce_dtype=train.mixed_precision_reduce,
         checkpointing=checkpointing_of(config),

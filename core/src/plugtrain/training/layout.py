@@ -31,12 +31,21 @@ def model_layout(config: JobConfig, dims: ParallelDims, spec: ModelSpec) -> dict
 def context_parallel(
     config: JobConfig, dims: ParallelDims, spec: ModelSpec
 ) -> tuple[Any, str] | None:
-    """The ``cp`` group and ``cp_method`` under context parallelism, else None; refused in one
-    line: a ``seq_len`` that does not divide into ``2 x cp`` chunks, key/value heads that
-    Ulysses cannot split, a family that is not Llama's."""
+    """The ``cp`` group and ``cp_method`` under context parallelism (checked by
+    :func:`check_context_parallel`), else None."""
     if not dims.cp_enabled:
         return None
+    check_context_parallel(config, dims, spec)
+    return dims.get_mesh("cp").get_group(), config.parallelism.cp_method
+
+
+def check_context_parallel(config: JobConfig, dims: ParallelDims, spec: ModelSpec) -> None:
+    """Refuse in one line what context parallelism cannot split: a ``seq_len`` that does not
+    divide into ``2 x cp`` chunks, key/value heads that Ulysses cannot split, a family that is
+    not Llama's."""
     cp, method, seq_len = dims.cp, config.parallelism.cp_method, config.training.seq_len
+    if cp == 1:
+        return
     if spec.name != "llama":
         raise ConfigError(
             f"model.family = '{spec.name}' does not run under context parallelism yet "
@@ -47,11 +56,10 @@ def context_parallel(
             f"training.seq_len = {seq_len} does not divide into 2 x cp = {2 * cp} chunks (each "
             f"rank holds one from each end of a row): choose a seq_len that {2 * cp} divides"
         )
-    args = config.model.model_args(1, seq_len)
+    args = config.model.model_args(None, seq_len)
     if method == "ulysses" and args.n_kv_heads % cp:
         raise ConfigError(
             f"parallelism.cp_method = 'ulysses' splits the heads over cp = {cp} ranks, but "
             f"model.n_kv_heads = {args.n_kv_heads} does not divide by {cp}: use cp_method = "
             "'allgather', or a cp that divides the key/value heads"
         )
-    return dims.get_mesh("cp").get_group(), method
