@@ -23,7 +23,13 @@ from plugtrain.errors import ConfigError
 from plugtrain.model import LLAMA, MOE
 from plugtrain.model.context_parallel import zigzag_indices
 from plugtrain.plugin import hookimpl
-from plugtrain.testing import SAMPLE, make_trainer, metrics_by_step, run_distributed
+from plugtrain.testing import (
+    SAMPLE,
+    make_trainer,
+    metrics_by_step,
+    run_distributed,
+    saved_activation_bytes,
+)
 from plugtrain.training import estimate_run
 from plugtrain.training.layout import context_parallel
 from plugtrain.training.step import context_part
@@ -132,23 +138,13 @@ def resume(written: Path, resumed: Path) -> dict[int, float]:
 
 
 def activation_bytes(folder: Path, *args: str) -> int:
-    """The bytes one training forward at seq_len 2048 keeps for its backward on this rank:
-    every tensor autograd saves, the parameters (and their gathered copies) left out."""
+    """The bytes one training forward at seq_len 2048 keeps for its backward on this rank."""
     long = ("--training.seq_len", "2048", "--training.batch_size", "1")
     long += ("--training.grad_accum_steps", "1")
     trainer = make_trainer(folder, *RUN, *long, *args, steps=1)
-    microbatch = trainer.runner.context_part(trainer.batches.next_batch()[0])
-    seen: dict[tuple[int, int], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not (t.is_leaf and t.requires_grad):  # a parameter is no activation
-            seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        trainer.loss.forward(trainer.model, microbatch)
+    saved = saved_activation_bytes(trainer, trainer.batches.next_batch()[0])
     trainer.abort()
-    return sum(seen.values())
+    return saved
 
 
 @pytest.fixture(scope="module")

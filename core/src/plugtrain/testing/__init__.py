@@ -31,7 +31,8 @@ resumes exactly.
 Checks (:mod:`~plugtrain.testing.checks`): :func:`count_costs` and :func:`assert_costs` (host
 syncs, collectives and time per non-logging step, of the whole step or of one plugin's hooks);
 :func:`check_order_independence` (the same parameters bitwise whatever the plugin's position
-among the enabled plugins); :class:`StepWatcher` and :class:`PeakMemory`.
+among the enabled plugins); :class:`StepWatcher`, :class:`PeakMemory` and
+:func:`saved_activation_bytes` (the bytes a training forward keeps for its backward).
 
 Hugging Face folders (:mod:`~plugtrain.testing.hf`, with transformers installed):
 :func:`hf_llama_folder` saves a tiny random ``LlamaForCausalLM`` (plain, tied or RoPE-scaled,
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
     from plugtrain.testing.checks import assert_costs as assert_costs
     from plugtrain.testing.checks import check_order_independence as check_order_independence
     from plugtrain.testing.checks import count_costs as count_costs
+    from plugtrain.testing.checks import saved_activation_bytes as saved_activation_bytes
     from plugtrain.testing.contexts import convert_context as convert_context
     from plugtrain.testing.contexts import model_context as model_context
     from plugtrain.testing.contexts import setup_context as setup_context

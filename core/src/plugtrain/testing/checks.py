@@ -4,7 +4,8 @@
 step, of the whole step or of one plugin's hooks); :func:`check_order_independence` (the same
 parameters bitwise whatever the plugin's position among the enabled plugins);
 :class:`StepWatcher` (whether each step changed the parameters and the optimizer state);
-:class:`PeakMemory` (the peak bytes of the tensors ops create).
+:class:`PeakMemory` (the peak bytes of the tensors ops create); :func:`saved_activation_bytes`
+(the bytes a training forward keeps for its backward).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from plugtrain.data import MicroBatch
 from plugtrain.plugin import StepContext, hookimpl, local_tensor
 from plugtrain.testing.runs import Plugins, Trainer, make_trainer, parameter_checksums
 
@@ -232,3 +234,22 @@ class PeakMemory(TorchDispatchMode):
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes
+
+
+def saved_activation_bytes(trainer: Trainer, microbatch: MicroBatch) -> int:
+    """The bytes one training forward of ``microbatch`` (this rank's part of it under context
+    parallelism) keeps for its backward on this rank: every tensor autograd saves, each once,
+    the parameters (their gathered copies, and views of them) left out. Deterministic, unlike
+    a peak: the CPU's measure of activation memory."""
+    part = trainer.runner.context_part(microbatch)
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base  # a matmul saves its weight's transpose
+        if not (base.is_leaf and base.requires_grad):  # a parameter is no activation
+            seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        trainer.loss.forward(trainer.model, part)
+    return sum(seen.values())
