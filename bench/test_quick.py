@@ -269,3 +269,23 @@ def test_pipeline(tmp_path):
             assert 0 < rank["busy_s"]["median"] <= rank["step_s"]["median"]
             assert rank["bubble"]["n"] == 2
         assert r["pp2_over_one_process"]["ratio"]["n"] == 2
+
+
+def test_context_parallel(tmp_path):
+    results = quick_results("context_parallel", tmp_path)
+    ratio = {(m["cp"], m["method"], m["seq_len"]): m["ratio_to_cp1"] for m in results["memory"]}
+    methods = ("allgather", "ulysses")
+    assert list(ratio) == [(1, None, 256), (1, None, 512)] + [
+        (cp, method, seq_len) for cp in (2, 4) for method in methods for seq_len in (256, 512)
+    ]
+    assert all(len(m["bytes_per_rank"]) == m["cp"] for m in results["memory"])
+    for method in methods:
+        for seq_len in (256, 512):
+            # Each rank keeps less at cp 4 than at cp 2, and more than 1 / cp of cp 1's.
+            assert 1 > ratio[2, method, seq_len] > ratio[4, method, seq_len] > 1 / 4
+            assert ratio[2, method, seq_len] > 1 / 2
+    timing = results["timing"]
+    assert [(t["processes"], t["method"]) for t in timing] == [
+        (1, None), (2, "allgather"), (2, "ulysses"), (4, "allgather"), (4, "ulysses"),
+    ]  # fmt: skip
+    assert all(t["step_seconds"]["n"] == t["step_cpu_seconds"]["n"] == 2 for t in timing)
