@@ -8,16 +8,21 @@ The runs are shared through a module-scoped fixture: one launch of 2 processes, 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from plugtrain.errors import ConfigError
-from plugtrain.plugin import hookimpl
-from plugtrain.testing import make_trainer, metrics_by_step, run_distributed, tiny_args
+from plugtrain.testing import (
+    GradNorms,
+    copy_checkpoint,
+    make_trainer,
+    metrics_by_step,
+    relative,
+    run_distributed,
+    tiny_args,
+)
 from plugtrain.training import check_world, configure
 
 STEPS, SAVED = 20, 10
@@ -53,23 +58,11 @@ the gradients themselves agree within 1e-6 (tests/test_expert_parallel.py), and 
 without EP gives EP 2's norms (equal at step 1, 7e-8 at step 2)."""
 
 
-class NormLog:
-    """Keeps grad_clip's pre-clip norm of each step, as this rank computed it."""
-
-    def __init__(self) -> None:
-        self.norms: dict[int, float] = {}
-        self.clip = None
-
-    @hookimpl
-    def post_step(self, ctx) -> None:
-        self.norms[ctx.step] = float(self.clip.total_norm)
-
-
 def train(folder: Path, *args: str) -> dict[int, float]:
     """Train a run of ``RUN`` + ``args``; this rank's grad norms by step."""
-    log = NormLog()
+    log = GradNorms()
     trainer = make_trainer(folder, *RUN, *args, steps=STEPS, plugins=[("norm_log", log)])
-    log.clip = trainer.host.get("grad_clip")
+    log.watch(trainer)
     muon = trainer.optimizer.param_groups[0]
     assert muon["muon"] and sum(p.ndim == 3 for p in muon["params"]) == 2 * 3  # the experts
     trainer.run()
@@ -77,13 +70,8 @@ def train(folder: Path, *args: str) -> dict[int, float]:
 
 
 def resume(written: Path, resumed: Path, *args: str) -> dict[int, float]:
-    """Resume run ``written``'s step-``SAVED`` checkpoint in the new dump folder ``resumed``
-    (rank 0 copies it, every rank waits)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        step = f"checkpoints/step-{SAVED}"
-        shutil.copytree(written / step, resumed / step)
-    if dist.is_initialized():
-        dist.barrier()
+    """Resume run ``written``'s step-``SAVED`` checkpoint in the new dump folder ``resumed``."""
+    copy_checkpoint(written, resumed, SAVED)
     return train(resumed, *args)
 
 
@@ -115,10 +103,6 @@ def runs(tmp_path_factory) -> dict:
             "ep2_to_one": [resume(base / "ep2", base / "ep2_to_one")],
         },
     }
-
-
-def relative(a: float, b: float) -> float:
-    return 0.0 if a == b else abs(a - b) / abs(b)
 
 
 @pytest.mark.slow

@@ -10,12 +10,10 @@ The runs are shared through a module-scoped fixture: one launch of 2 processes, 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
@@ -25,7 +23,16 @@ from plugtrain.distributed import ParallelDims
 from plugtrain.errors import ConfigError
 from plugtrain.model import LLAMA, MOE
 from plugtrain.plugin import hookimpl
-from plugtrain.testing import SAMPLE, make_trainer, metrics_by_step, run_distributed
+from plugtrain.testing import (
+    CHAT,
+    GradNorms,
+    InjectInf,
+    copy_checkpoint,
+    make_trainer,
+    metrics_by_step,
+    relative,
+    run_distributed,
+)
 from plugtrain.training.pipeline import pipeline_placement
 
 STEPS, SAVED = 8, 4
@@ -39,34 +46,26 @@ RUN = (
     "--validation.steps", "2",
 )  # fmt: skip
 """Four microbatches of two rows; the clip bites at some steps (the norms are 0.43-0.49)."""
-CHAT = (
-    "--data.train_path", str(SAMPLE / "chat_validation.jsonl"),
-    "--data.validation_path", str(SAMPLE / "chat_validation.jsonl"),
-)  # fmt: skip
-"""``RUN`` on chat data: document masking, per-document positions, the assistant's loss."""
 SAVE = ("--checkpoint.enable", "true", "--checkpoint.interval", str(SAVED))
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 TOLERANCE = 1e-5
-"""Relative, on the losses and grad norms, as the issue asks; measured: see the tests."""
+"""Relative, on the losses and grad norms, as the issue asks; measured: losses 1.3e-7, grad
+norms 8.1e-6 (torch's fp32 norm kernel on CPU sums other partial sums over the stages' and
+shards' gradients: tests/test_expert_parallel_runs.py's NORM_TOLERANCE says how much)."""
 
 
-class StepLog:
+class StepLog(GradNorms):
     """Keeps each step's pre-clip grad norm, as this rank computed it, and the names of the
     trainable parameters left without a gradient after the backward."""
 
     def __init__(self) -> None:
-        self.norms: dict[int, float] = {}
+        super().__init__()
         self.no_grad: dict[int, list[str]] = {}
-        self.clip = None
         self.names: dict[int, str] = {}
 
     @hookimpl
     def pre_step(self, ctx) -> None:
         self.no_grad[ctx.step] = [self.names[id(p)] for p in ctx.params if p.grad is None]
-
-    @hookimpl
-    def post_step(self, ctx) -> None:
-        self.norms[ctx.step] = float(self.clip.total_norm)
 
 
 def train(folder: Path, *args: str) -> dict:
@@ -74,7 +73,7 @@ def train(folder: Path, *args: str) -> dict:
     by step, and how many parameters it trains."""
     log = StepLog()
     trainer = make_trainer(folder, *RUN, *args, steps=STEPS, plugins=[("step_log", log)])
-    log.clip = trainer.host.get("grad_clip")
+    log.watch(trainer)
     log.names = {id(p): name for name, p in trainer.model.named_parameters()}
     trainer.run()
     return {"norms": log.norms, "no_grad": log.no_grad, "params": len(trainer.params)}
@@ -82,12 +81,8 @@ def train(folder: Path, *args: str) -> dict:
 
 def resume(written: Path, resumed: Path, *args: str) -> dict:
     """Resume run ``written``'s step-``SAVED`` checkpoint (its later one left behind) in the
-    new dump folder ``resumed`` (rank 0 copies it, every rank waits)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        step = f"checkpoints/step-{SAVED}"
-        shutil.copytree(written / step, resumed / step)
-    if dist.is_initialized():
-        dist.barrier()
+    new dump folder ``resumed``."""
+    copy_checkpoint(written, resumed, SAVED)
     return train(resumed, *SAVE, *args)
 
 
@@ -125,10 +120,6 @@ def runs(tmp_path_factory) -> dict:
             ranks[layout] = [rank[layout] for rank in layouts]
     ranks["1F1B_to_one"] = [resume(base / "1F1B", base / "1F1B_to_one")]
     return {"base": base, "ranks": ranks}
-
-
-def relative(a: float, b: float) -> float:
-    return 0.0 if a == b else abs(a - b) / abs(b)
 
 
 def global_norms(ranks: list[dict]) -> dict[int, float]:
@@ -186,26 +177,14 @@ def test_a_pp2_checkpoint_has_one_process_keys_and_resumes_in_other_layouts(runs
         assert_as_one_process(runs, resumed, "one", range(SAVED + 1, STEPS + 1))
 
 
-class InjectInf:
-    """Puts an inf into one gradient of this rank's stage at ``step``, if it holds ``stage``,
-    before the scaler unscales them."""
-
-    def __init__(self, step: int, stage: int) -> None:
-        self.step, self.stage = step, stage
-
-    @hookimpl(tryfirst=True)
-    def unscale_gradients(self, ctx) -> None:
-        if ctx.step == self.step and dist.get_rank() == self.stage:  # PP 2 alone: rank = stage
-            next(p for p in ctx.params if p.grad is not None).grad.view(-1)[0] = float("inf")
-
-
 def fp16_inf(base: str) -> dict:
     args = (
         "--model.flavor", "tiny4", "--training.grad_accum_steps", "2",
         "--training.mixed_precision_param", "float16",
         "--plugins.enabled", "grad_scaler,grad_clip", "--parallelism.pp", "2",
     )  # fmt: skip
-    plugins = [("inject", InjectInf(step=2, stage=1)), ("grad_scaler", None)]
+    # Rank 1 holds the last stage alone (PP 2 on 2 processes).
+    plugins = [("inject", InjectInf(steps=[2], ranks=[1])), ("grad_scaler", None)]
     trainer = make_trainer(Path(base), *args, steps=3, plugins=plugins)
     scaler = trainer.host.get("grad_scaler")
     trainer.run()

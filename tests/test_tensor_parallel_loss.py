@@ -32,7 +32,13 @@ from plugtrain.model import (
 )
 from plugtrain.observability import CostCounter
 from plugtrain.plugin import full_tensor
-from plugtrain.testing import SAMPLE, make_trainer, max_difference, metrics_by_step, run_distributed
+from plugtrain.testing import (
+    CHAT,
+    make_trainer,
+    max_difference,
+    metrics_by_step,
+    run_distributed,
+)
 
 TINY = FLAVORS["tiny"]  # vocab 256: 128 a rank under TP 2
 CHUNKS = 3  # does not divide the 64 tokens
@@ -42,12 +48,6 @@ RUN = (
     "--validation.interval", "3", "--validation.steps", "1",
 )  # fmt: skip
 """A run with the loss in chunks and z-loss, validated at its last step."""
-CHAT = (
-    "--data.train_path", str(SAMPLE / "chat_validation.jsonl"),
-    "--data.validation_path", str(SAMPLE / "chat_validation.jsonl"),
-)  # fmt: skip
-"""``RUN`` on chat data: the assistant-only loss, under document masking and per-document
-positions (what chat data defaults to)."""
 DOCUMENT = dataclasses.replace(TINY, attention="document")
 LENGTHS = ((10, 22), (5, 15, 12))
 """Each row's documents, by length."""

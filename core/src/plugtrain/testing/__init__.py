@@ -15,7 +15,10 @@ Runs (:mod:`~plugtrain.testing.runs`, :mod:`~plugtrain.testing.processes`):
   order and the skipped steps. The ``plugtrain_run`` fixture is the same, in ``tmp_path``.
 * :func:`make_trainer` builds the :class:`Trainer` of such a run for tests that drive it
   themselves; :func:`tiny_args` are its command-line arguments; its ``loss.fn`` is its
-  loss, for a reference loop written out.
+  loss, for a reference loop written out. :class:`GradNorms` keeps a run's grad norms by step
+  on each rank, :func:`copy_checkpoint` seeds a run to resume from another's checkpoint, and
+  :func:`relative` compares two numbers, for runs checked against one process; :data:`CHAT`
+  are the arguments of a run on the sample's chat data.
 * :func:`run_distributed` calls a function on N spawned ranks; :func:`run_script` runs a
   training script as a user would (python, or torchrun for several processes).
 
@@ -105,15 +108,19 @@ if TYPE_CHECKING:
     from plugtrain.testing.reference import packed_documents as packed_documents
     from plugtrain.testing.reference import stored_documents as stored_documents
     from plugtrain.testing.reference import tokenize_documents as tokenize_documents
+    from plugtrain.testing.runs import CHAT as CHAT
     from plugtrain.testing.runs import SAMPLE as SAMPLE
+    from plugtrain.testing.runs import GradNorms as GradNorms
     from plugtrain.testing.runs import HookLog as HookLog
     from plugtrain.testing.runs import RunResult as RunResult
     from plugtrain.testing.runs import Trainer as Trainer
+    from plugtrain.testing.runs import copy_checkpoint as copy_checkpoint
     from plugtrain.testing.runs import make_trainer as make_trainer
     from plugtrain.testing.runs import max_difference as max_difference
     from plugtrain.testing.runs import metrics_by_step as metrics_by_step
     from plugtrain.testing.runs import parameter_checksums as parameter_checksums
     from plugtrain.testing.runs import read_metrics as read_metrics
+    from plugtrain.testing.runs import relative as relative
     from plugtrain.testing.runs import tiny_args as tiny_args
     from plugtrain.testing.runs import tiny_run as tiny_run
     from plugtrain.testing.s3 import S3Server as S3Server

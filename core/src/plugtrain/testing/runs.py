@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from plugtrain import sample
@@ -57,6 +59,13 @@ enabled plugin ``name`` to that position."""
 SAMPLE = sample.FOLDER
 """The shipped Shakespeare sample's folder (``train.jsonl``, ``validation.jsonl``,
 ``tokenizer.json``), inside the installed package."""
+
+CHAT = (
+    "--data.train_path", str(SAMPLE / "chat_validation.jsonl"),
+    "--data.validation_path", str(SAMPLE / "chat_validation.jsonl"),
+)  # fmt: skip
+"""Arguments that train and validate on the sample's chat data: rows of several short
+conversations, document masking and per-document positions, the assistant's tokens only."""
 
 
 def tiny_args(dump_folder: str | Path, *extra: str, steps: int = 3) -> list[str]:
@@ -133,6 +142,39 @@ def max_difference(
     :func:`metrics_by_step` over ``steps`` (a key that either logs at a step is compared)."""
     keys = tuple(keys)
     return max(abs(a[s][k] - b[s][k]) for s in steps for k in keys if k in a[s] or k in b[s])
+
+
+def relative(ours: float, theirs: float) -> float:
+    """``ours``' relative difference from ``theirs`` (0 where equal, as for 0 and 0)."""
+    return 0.0 if ours == theirs else abs(ours - theirs) / abs(theirs)
+
+
+class GradNorms:
+    """A plugin that keeps each step's pre-clip grad norm as this rank's ``grad_clip``
+    computed it (:attr:`norms`, by step): give it to :func:`make_trainer`'s ``plugins``, then
+    :meth:`watch` the trainer. A layout's norms against one process's, on every rank."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, float] = {}
+        self._clip: Any = None
+
+    def watch(self, trainer: Trainer) -> None:
+        """Read ``trainer``'s ``grad_clip`` plugin (it must be enabled)."""
+        self._clip = trainer.host.get("grad_clip")
+
+    @hookimpl
+    def post_step(self, ctx: StepContext) -> None:
+        self.norms[ctx.step] = float(self._clip.total_norm)
+
+
+def copy_checkpoint(written: Path, resumed: Path, step: int) -> None:
+    """Put run ``written``'s step-``step`` checkpoint into dump folder ``resumed``, for a run
+    there to resume from it (the later ones left behind): rank 0 copies, every rank waits."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        folder = f"checkpoints/step-{step}"
+        shutil.copytree(written / folder, resumed / folder)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def parameter_checksums(model: nn.Module) -> str:
