@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from plugtrain.config import JobConfig, ParallelismConfig
 from plugtrain.data import IGNORE_INDEX, MicroBatch
 from plugtrain.distributed import ParallelDims, parallel_dims
 from plugtrain.errors import ConfigError
 from plugtrain.model import LLAMA, MOE
-from plugtrain.model.context_parallel import zigzag_indices
+from plugtrain.model.context_parallel import causal_by_blocks, causal_by_padding, zigzag_indices
 from plugtrain.testing import (
     CHAT,
     GradNorms,
@@ -198,6 +199,30 @@ def test_the_prompts_data_puts_the_counted_tokens_mostly_on_one_rank(tmp_path):
     counted = [(rows[:, zigzag_indices(SEQ, 2, rank)] != IGNORE_INDEX).sum() for rank in (0, 1)]
     trainer.abort()
     assert counted[0] >= 4 * counted[1], counted
+
+
+@pytest.mark.parametrize("attend", [causal_by_blocks, causal_by_padding])
+def test_queries_at_the_end_of_their_keys_attend_causally_without_a_mask(attend):
+    """A chunk's queries over the keys up to its end (all-gather's): the CPU's blocks merged by
+    log-sum-exp, and other devices' padding, against SDPA under the mask, grouped heads."""
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, dtype=torch.float64, generator=generator)
+        return t.requires_grad_()
+
+    q, k, v = tensor(2, 4, 8, 8), tensor(2, 2, 24, 8), tensor(2, 2, 24, 8)
+    mask = torch.ones(8, 24, dtype=torch.bool).tril(24 - 8)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    grad = torch.randn(reference.shape, dtype=torch.float64, generator=generator)
+    out = attend(q, k, v)
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-14)
+    for ours, theirs in zip(
+        torch.autograd.grad(out, (q, k, v), grad),
+        torch.autograd.grad(reference, (q, k, v), grad),
+        strict=True,
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-14)
 
 
 @pytest.mark.parametrize("cp", [2, 4])

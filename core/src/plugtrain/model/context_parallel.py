@@ -9,21 +9,24 @@ attention seam (:class:`ContextParallel`, in place of the variant), needs every 
 and values:
 
 * ``allgather``: each rank gathers the keys and values of every rank (an all-gather with
-  autograd, whose backward reduce-scatters their gradients) and attends its own queries over
-  them;
+  autograd, whose backward reduce-scatters their gradients) and attends each of its chunks'
+  queries over the keys up to that chunk's end only;
 * ``ulysses``: an all-to-all gives each rank every token's queries, keys and values for
   ``heads / C`` of the heads; it attends over the whole sequence, and a second all-to-all
   gives each rank its tokens back, for every head.
 
-Either attends under a boolean mask built once per forward from the tokens' places in the row
-(causal) and their documents (document masking, the documents of every rank gathered once):
-SDPA with a mask, on every device. Written with plain collectives (torch's
-``context_parallel`` has no CPU path in torch 2.13), so the CPU tests prove what a GPU runs.
+What either needs of a forward is built once in it (:class:`ContextMask`): with document
+masking a boolean mask of same-document, causal pairs (the documents of every rank gathered
+once); causal attention needs none (SDPA's causal kernel; a chunk's queries after the keys
+before them by two blocks of the CPU flash kernel merged by log-sum-exp, elsewhere by padding).
+Written with plain collectives (torch's ``context_parallel`` has no CPU path in torch 2.13), so
+the CPU tests prove what a GPU runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -151,17 +154,71 @@ def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
     """Attention of queries ``q`` that are the last of keys ``k`` under boolean ``mask``; None:
-    causal. Causal attention needs no mask: queries at the front, zeros, put the given ones at
-    the keys' end for SDPA's causal kernel (its diagonal starts at the first key), whose work
-    and memory are those of the keys, not of a mask of them."""
+    causal, with no mask: on the CPU by blocks (:class:`_CausalAfterPrefix`), elsewhere by
+    padding (:func:`causal_by_padding`)."""
     gqa = q.shape[1] != k.shape[1]
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if k.shape[2] == q.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if q.device.type == "cpu":
+        return causal_by_blocks(q, k, v)
+    return causal_by_padding(q, k, v)
+
+
+def causal_by_padding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of queries ``q`` that are the last of keys ``k``: zero queries in
+    front put them at the keys' end for SDPA's causal kernel (whose diagonal starts at the
+    first key), which then keeps and computes as many queries as there are keys."""
     front = k.shape[2] - q.shape[2]
-    if front:
-        q = torch.cat([q.new_zeros(*q.shape[:2], front, q.shape[3]), q], dim=2)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    q = torch.cat([q.new_zeros(*q.shape[:2], front, q.shape[3]), q], dim=2)
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return out[:, :, front:]
+
+
+def causal_by_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """:func:`causal_by_padding`'s attention on the CPU, at the cost of the queries alone: the
+    keys before them, all seen, and their own, causal, by the flash kernel each, merged by
+    log-sum-exp (:class:`_CausalAfterPrefix`)."""
+    return _CausalAfterPrefix.apply(q, k, v)
+
+
+class _CausalAfterPrefix(torch.autograd.Function):
+    """Two blocks of the CPU flash kernel, merged by their log-sum-exp as ring attention merges
+    its steps; the backward runs the kernel's backward on each block with the merged output
+    and log-sum-exp, which is each block's share of the whole softmax's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        front = k.shape[2] - q.shape[2]
+        seen, seen_lse = flash(q, k[:, :, :front], v[:, :, :front], 0.0, False)
+        own, own_lse = flash(q, k[:, :, front:], v[:, :, front:], 0.0, True)
+        lse = torch.logaddexp(seen_lse, own_lse)
+        weights = [(part_lse - lse).exp().unsqueeze(-1) for part_lse in (seen_lse, own_lse)]
+        merged = torch.promote_types(q.dtype, torch.float32)  # bf16 blocks merge in fp32
+        out = (seen.to(merged) * weights[0] + own.to(merged) * weights[1]).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        front = k.shape[2] - q.shape[2]
+        blocks = ((slice(0, front), False), (slice(front, None), True))
+        grads = [
+            backward(grad.contiguous(), q, k[:, :, keys], v[:, :, keys], out, lse, 0.0, causal)
+            for keys, causal in blocks
+        ]
+        dq = grads[0][0] + grads[1][0]
+        return (
+            dq,
+            torch.cat([grads[0][1], grads[1][1]], 2),
+            torch.cat([grads[0][2], grads[1][2]], 2),
+        )
 
 
 def parallelize_context(model: nn.Module, group: dist.ProcessGroup, method: str) -> None:
