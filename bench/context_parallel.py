@@ -7,8 +7,8 @@ out; deterministic, unlike a peak), the debug model in fp32, one row of ``--seq-
 on 1 process, on 2 ranks at cp 2 and on 4 at cp 4; the larger rank's, and its ratio to cp 1's.
 Each rank holds ``1 / cp`` of every row, and Ulysses ``1 / cp`` of the heads over the whole
 row: about ``1 / cp`` of the bytes. The all-gather method also keeps the whole row's keys and
-values and its queries padded to the length of the keys they see (rank 0's: the whole row), a
-fixed share above ``1 / cp`` at every seq_len (docs/benchmarks/context_parallel.md).
+values as gathered, a fixed share above ``1 / cp`` at every seq_len
+(docs/benchmarks/context_parallel.md).
 
 Part 2, timed: a training step (forward, backward, AdamW) of the same global batch
 (``--batch`` rows of ``--timing-seq-len`` tokens) on 1 process and at cp 2 and cp 4 on 2 and 4
@@ -36,9 +36,10 @@ to 20)::
         --parallelism.cp_method allgather        # then ulysses
 
 cp 2's ``memory_gib`` less the parameters', gradients' and AdamW's share (FSDP shards those over
-the cp ranks too: ``plugtrain estimate``) should be near the ratios of part 1 (0.62 all-gather,
+the cp ranks too: ``plugtrain estimate``) should be near the ratios of part 1 (0.55 all-gather,
 0.52 Ulysses) of cp 1's; its tokens per second per rank against cp 1's is the time CP costs
-(the all-gather method's padded queries included). If cp 1 runs out of memory, that is a
+(on CUDA the all-gather method pads a chunk's queries to its keys' length: more than on the
+CPU, whose kernel it runs by blocks). If cp 1 runs out of memory, that is a
 result: add ``--plugins.enabled activation_checkpointing --activation_checkpointing.mode
 full`` to every run. At 4 and 8 GPUs, cp 4 and cp 8 at 65536 and 131072 tokens.
 """
