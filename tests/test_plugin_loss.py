@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from plugtrain.distributed import ParallelDims
 from plugtrain.errors import PluginError
 from plugtrain.plugin import IGNORE_INDEX, MicroBatch, SetupContext, hookimpl
 from plugtrain.testing import SAMPLE, make_trainer, read_metrics
+from plugtrain.training.loss import PluginLoss
 
 CHAT = ("--data.train_path", str(SAMPLE / "chat_train.jsonl"), "--training.seq_len", "96",
         "--training.batch_size", "8", "--training.grad_accum_steps", "4")  # fmt: skip
@@ -129,3 +131,27 @@ def test_validation_computes_a_plugin_loss_over_the_units_of_its_batches(tmp_pat
     # The cross-entropy again, as a plugin answers it: the mean over the counted targets.
     assert math.isclose(answered["validation_loss"], plain["validation_loss"], rel_tol=1e-6)
     assert "validation_bpb" in plain and "validation_bpb" not in answered
+
+
+@pytest.mark.parametrize(
+    ("degrees", "message"),
+    [
+        (
+            {"pp": 2},
+            "plugin 'tokens' answers the loss, which does not run under pipeline parallelism "
+            "yet (parallelism.pp = 2): set parallelism.pp = 1",
+        ),
+        (
+            {"cp": 2, "dp_shard": 2},
+            "plugin 'tokens' answers the loss, which does not run under context parallelism "
+            "yet (parallelism.cp = 2): set parallelism.cp = 1",
+        ),
+    ],
+)
+def test_a_plugins_loss_is_refused_where_no_rank_runs_whole_sequences(degrees, message):
+    loss = PluginLoss.of({"tokens": TokenLoss()}, None)
+    assert loss is not None
+    loss.refuse_split(ParallelDims())  # one process: nothing refused
+    with pytest.raises(PluginError) as refused:
+        loss.refuse_split(ParallelDims(**degrees))
+    assert str(refused.value) == message

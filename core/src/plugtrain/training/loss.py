@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from plugtrain.data import IGNORE_INDEX, MicroBatch
+from plugtrain.distributed import ParallelDims
 from plugtrain.errors import PluginError
 from plugtrain.model import (
     ChunkedLoss,
@@ -168,6 +169,16 @@ class PluginLoss(RunLoss):
                 "StepLoss (a callable with a units(microbatch) method)"
             )
         return cls(name, answer, group, tp)
+
+    def refuse_split(self, dims: ParallelDims) -> None:
+        """Refuse, in one line, a layout where no rank runs whole sequences through the whole
+        model, which the plugin's loss does: pipeline or context parallelism."""
+        for key, degree, name in (("pp", dims.pp, "pipeline"), ("cp", dims.cp, "context")):
+            if degree > 1:
+                raise PluginError(
+                    f"plugin '{self.name}' answers the loss, which does not run under {name} "
+                    f"parallelism yet (parallelism.{key} = {degree}): set parallelism.{key} = 1"
+                )
 
     def start(self, batch: Sequence[MicroBatch]) -> None:
         """Count the step's units, over its microbatches and the data-parallel ranks."""

@@ -32,7 +32,7 @@ from plugtrain.errors import ConfigError
 from plugtrain.host import PluginHost
 from plugtrain.model import ModelSpec, pipeline_stages
 from plugtrain.plugin import StepContext
-from plugtrain.training.loss import LossFn, PluginLoss, RunLoss
+from plugtrain.training.loss import LossFn, RunLoss
 from plugtrain.training.loss_terms import LossTerms
 from plugtrain.training.pipeline_plan import check_microbatches, rank_stages
 
@@ -117,11 +117,6 @@ class Pipeline:
         host: PluginHost,
         param_dtype: torch.dtype,
     ) -> None:
-        if isinstance(loss, PluginLoss):
-            raise ConfigError(
-                f"plugin '{loss.name}' answers the loss, which does not run under pipeline "
-                f"parallelism yet (parallelism.pp = {dims.pp}): set parallelism.pp = 1"
-            )
         self.loss, self.terms, self.host = loss, terms, host
         self.count, indices = placement
         self.group = dims.get_mesh("pp").get_group()

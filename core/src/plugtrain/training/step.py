@@ -62,13 +62,10 @@ class StepRunner:
         """The loss terms, the plugins' and the core's own; None if none is on."""
         self.loss: RunLoss = plugin_loss(host, ctx, self.loss_terms) or loss
         """The training loss: the one plugin's that answers ``build_loss``, else the run's."""
+        if isinstance(self.loss, PluginLoss):
+            self.loss.refuse_split(dims)
         self.context = (dims.cp, dims.rank_in("cp")) if dims.cp_enabled else None
         """Under context parallelism, the ``cp`` degree and this rank's place in it."""
-        if self.context is not None and isinstance(self.loss, PluginLoss):
-            raise PluginError(
-                f"plugin '{self.loss.name}' answers the loss of whole sequences, which context "
-                f"parallelism splits (parallelism.cp = {dims.cp}): set parallelism.cp = 1"
-            )
         self.pipeline: Pipeline | None = None
         """This rank's stages and their schedule, under pipeline parallelism; else None."""
         spec = model_spec(ctx.config.model.family)
