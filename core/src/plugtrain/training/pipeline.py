@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from plugtrain.config import V_SCHEDULES, JobConfig
+from plugtrain.config import JobConfig
 from plugtrain.data import MicroBatch
 from plugtrain.distributed import ParallelDims
 from plugtrain.errors import ConfigError
@@ -120,7 +120,15 @@ class Pipeline:
         self.loss, self.terms, self.host = loss, terms, host
         self.count, indices = placement
         self.group = dims.get_mesh("pp").get_group()
-        self.v_shape = config.parallelism.pp_schedule in V_SCHEDULES
+        parallelism = config.parallelism
+        self.holder = {
+            index: rank
+            for rank in range(dims.pp)
+            for index in rank_stages(
+                parallelism.pp_schedule, dims.pp, parallelism.stages_per_rank, rank
+            )
+        }
+        """The rank of the ``pp`` group that holds each stage, by stage index."""
         self.microbatches = config.training.grad_accum_steps
         rows = config.training.batch_size // (dims.dp_size * self.microbatches)
         self.shapes = _StageShapes(model.args, rows, config.training.seq_len, param_dtype, dims.tp)
@@ -157,7 +165,7 @@ class Pipeline:
         return self._share_step()
 
     @torch.no_grad()
-    def evaluate(self, microbatch: MicroBatch, fn: LossFn, masked: bool) -> torch.Tensor:
+    def evaluate(self, microbatch: MicroBatch, fn: LossFn) -> torch.Tensor:
         """``fn`` of ``microbatch``'s logits, the same on every rank of the pipeline: a forward
         of the whole batch through the stages in order, each sending its hidden states to the
         next one's rank (the training schedules' actions hold backward steps, and a batch
@@ -168,19 +176,13 @@ class Pipeline:
         for index, stage in self.modules.items():
             if index > 0 and index - 1 not in self.modules:
                 hidden = self.shapes.hidden(microbatch.inputs.shape[0], loss.device)
-                dist.recv(hidden, group=self.group, group_src=self._rank_of(index - 1))
+                dist.recv(hidden, group=self.group, group_src=self.holder[index - 1])
             hidden = stage(hidden, **kwargs)
             if index == self.count - 1:
                 loss = fn(hidden, microbatch.targets)
             elif index + 1 not in self.modules:
-                dist.send(hidden, group=self.group, group_dst=self._rank_of(index + 1))
+                dist.send(hidden, group=self.group, group_dst=self.holder[index + 1])
         return self._reduce(loss)
-
-    def _rank_of(self, index: int) -> int:
-        """The rank, in the ``pp`` group, that holds stage ``index``: in a V the first ``pp``
-        stages go down the ranks and the others back up; else they go round the ranks."""
-        pp = self.group.size()
-        return pp - 1 - index % pp if self.v_shape and index >= pp else index % pp
 
     def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one microbatch on the last stage: its share of the step's
@@ -205,7 +207,7 @@ class Pipeline:
         if self._term_names is None:
             names = [sorted(self.terms.sums) if self.last else None]
             dist.broadcast_object_list(
-                names, group=self.group, group_src=self._rank_of(self.count - 1)
+                names, group=self.group, group_src=self.holder[self.count - 1]
             )
             self._term_names = names[0]
         sums = self.terms.sums if self.last else {}

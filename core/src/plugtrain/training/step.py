@@ -97,7 +97,7 @@ class StepRunner:
         :meth:`context_part`), forward only, as training computes it: through the pipeline, if
         any."""
         if self.pipeline is not None:
-            return self.pipeline.evaluate(microbatch, fn, masked)
+            return self.pipeline.evaluate(microbatch, fn)
         return self.loss.forward(self.model, microbatch, fn, masked=masked)[1]
 
     def context_part(self, microbatch: MicroBatch) -> MicroBatch:
