@@ -15,7 +15,7 @@ Part 2, timed: a training step (forward, backward, AdamW) of the same global bat
 processes, one intra-op thread each: the median of ``--steps`` steps after one warm-up step,
 in wall seconds (rank 0's: every rank waits for the others in the step's collectives) and in
 CPU seconds (all ranks' added up: the work CP adds, less sensitive to other load), each against
-the one process's. NOTE: on 2 CPU cores shared with other work, as here, 4 processes share 2
+the one process's. On 2 CPU cores shared with other work, as here, 4 processes share 2
 cores and every multi-process wall time is pessimistic: cp 2 can at best halve the step, cp 4
 do no better than cp 2.
 
