@@ -103,6 +103,7 @@ def four_ranks(base: str) -> dict:
         "chat_pp2xfsdp2": train(root / "chat_pp2xfsdp2", *pp, *CHAT),
         "pp2xtp2": train(root / "pp2xtp2", *pp, *tp),
         "chat_pp2xtp2": train(root / "chat_pp2xtp2", *pp, *tp, *CHAT),
+        "pp2xhsdp2": train(root / "pp2xhsdp2", *pp, "--parallelism.dp_replicate", "2"),
         "1F1B_to_pp2xfsdp2": resume(root / "1F1B", root / "1F1B_to_pp2xfsdp2", *pp),
         "1F1B_to_tp2": resume(root / "1F1B", root / "1F1B_to_tp2", *tp),
     }
@@ -150,6 +151,13 @@ def test_pipelines_train_as_one_process(runs, layout, data):
     # Each rank trains only its stages' parameters, and together all of them.
     ranks, whole = runs["ranks"][data + layout], runs["ranks"]["one"][0]["params"]
     assert all(rank["params"] < whole for rank in ranks)
+
+
+@pytest.mark.slow
+def test_a_pipeline_of_hybrid_sharded_stages_trains_as_one_process(runs):
+    """PP 2 x HSDP (2 replicas of 1 shard): the gradients all-reduced across the replicas once
+    per step, by the schedule's last backward."""
+    assert_as_one_process(runs, "pp2xhsdp2", "one", range(1, STEPS + 1))
 
 
 @pytest.mark.slow
